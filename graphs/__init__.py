@@ -1,0 +1,9 @@
+"""graphs: declare factor graphs (the PT CRF, topologies) as data and as Pyro models.
+
+``graphs`` never imports ``inference`` or ``probformer``.
+"""
+
+from graphs import topology
+from graphs.crf import CRF, distance_groups
+
+__all__ = ["CRF", "distance_groups", "topology"]

@@ -1,0 +1,286 @@
+"""The CRF of the Probabilistic Transformer, declared as data and as a Pyro model.
+
+Per node i (tokens first, then the topology's virtual nodes) a label
+``Z_i in {0..d-1}``; per channel c and node i a head ``H_i^c`` among the nodes the
+topology allows; optionally per token a global ("topic") variable ``G_i in {0..g-1}``.
+
+    unary    log phi(Z_i = a)                    = unary[w_i, a]       (0 for virtual nodes)
+    ternary  log phi(H_i^c = j, Z_i = a, Z_j = b) = T[k(i, j), c, a, b]
+    binary   log phi(Z_i = a, G_i = m)            = binary[m, a]
+
+with ``T[k, c] = ternary_u[k, c] @ ternary_v[k, c].T`` (rank r) and ``k(i, j)`` the
+distance group of the arc: direction x clipped distance, ``2 * (gamma + 1)``
+groups over token pairs (``gamma = 3`` gives 8), plus one more group for arcs that
+touch a virtual node when the topology has any.
+
+Group order for token arcs (dependent i, head j, offset delta = j - i):
+    head to the right (delta > 0): group min(delta, gamma + 1) - 1         -> 0 .. gamma
+    head to the left  (delta < 0): group gamma + min(-delta, gamma + 1)    -> gamma + 1 .. 2 gamma + 1
+
+Parameter layout (what engines and users read):
+    unary      [V, d]
+    ternary_u  [K, C, d, r]   dependent side
+    ternary_v  [K, C, d, r]   head side
+    binary     [g, d]         only when global_labels > 0
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.ops.indexing import Vindex
+from torch import nn
+
+from graphs import topology as topologies
+from graphs.topology import Topology
+
+__all__ = ["CRF", "distance_groups"]
+
+
+def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
+    """``[n + m, n + m]`` long tensor of distance groups (see the module docstring).
+
+    Arcs touching one of the ``m`` virtual nodes get group ``2 * (gamma + 1)``;
+    the diagonal (never an arc) gets group 0.
+    """
+    pos = torch.arange(n)
+    offset = pos[None, :] - pos[:, None]
+    clipped = offset.abs().clamp(max=gamma + 1)
+    token_groups = torch.where(offset > 0, clipped - 1, gamma + clipped)
+    token_groups.fill_diagonal_(0)
+    size = n + extra_nodes
+    groups = torch.full((size, size), 2 * (gamma + 1), dtype=torch.long)
+    groups[:n, :n] = token_groups
+    return groups
+
+
+class CRF(nn.Module):
+    """Potentials of the PT CRF on a topology. See the module docstring for the maths.
+
+    Args:
+        vocab_size: V, the number of word types.
+        labels: d, the number of values of each label Z_i.
+        channels: C, the number of head variables per node.
+        rank: r, the rank of each ternary table T[k, c] (default: d, i.e. full rank).
+        global_labels: g, values of the per-token global variable (0: none).
+        topology: a ``graphs.topology.Topology`` or its text form (default ``full()``).
+        gamma: distance clip; token arcs fall into ``2 * (gamma + 1)`` groups.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        labels: int,
+        channels: int = 1,
+        rank: int | None = None,
+        global_labels: int = 0,
+        topology: Topology | str | None = None,
+        gamma: int = 3,
+    ):
+        super().__init__()
+        _check_int("vocab_size", vocab_size, minimum=1)
+        _check_int("labels", labels, minimum=1)
+        _check_int("channels", channels, minimum=1)
+        rank = labels if rank is None else rank
+        _check_int("rank", rank, minimum=1)
+        _check_int("global_labels", global_labels, minimum=0)
+        _check_int("gamma", gamma, minimum=0)
+        self.vocab_size, self.labels, self.channels, self.rank = vocab_size, labels, channels, rank
+        self.global_labels, self.gamma = global_labels, gamma
+        self.topology = topologies.parse(topology if topology is not None else "full")
+        self.num_groups = 2 * (gamma + 1) + (1 if self.topology.extra_nodes else 0)
+
+        # Initialisation as the reference PT (pt-spec.md §2.3): xavier-uniform unary,
+        # N(0, 1/r) low-rank factors, N(0, 1/d) binary.
+        self.unary = nn.Parameter(nn.init.xavier_uniform_(torch.empty(vocab_size, labels)))
+        std = rank**-0.5
+        self.ternary_u = nn.Parameter(torch.randn(self.num_groups, channels, labels, rank) * std)
+        self.ternary_v = nn.Parameter(torch.randn(self.num_groups, channels, labels, rank) * std)
+        if global_labels:
+            self.binary = nn.Parameter(torch.randn(global_labels, labels) * labels**-0.5)
+        else:
+            self.register_parameter("binary", None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"vocab_size={self.vocab_size}, labels={self.labels}, channels={self.channels}, "
+            f"rank={self.rank}, global_labels={self.global_labels}, gamma={self.gamma}, "
+            f"topology={self.topology.name}"
+        )
+
+    # ---- the structure as data -------------------------------------------------
+
+    def ternary_tensor(self) -> torch.Tensor:
+        """``[K, C, d, d]``: ``T[k, c, a, b]`` for dependent label a and head label b."""
+        return torch.einsum("kcar,kcbr->kcab", self.ternary_u, self.ternary_v)
+
+    def distance_groups(self, n: int) -> torch.Tensor:
+        return distance_groups(n, self.gamma, self.topology.extra_nodes)
+
+    def ternary_table(self, n: int) -> torch.Tensor:
+        """``[C, N, N, d, d]`` log-potentials, N = n + virtual nodes: entry ``[c, i, j, a, b]``
+        is log phi(H_i^c = j, Z_i = a, Z_j = b); ``-inf`` where the topology forbids the arc
+        (always on the diagonal)."""
+        self.check_parameters()
+        table = self.ternary_tensor()[self.distance_groups(n)]  # [N, N, C, d, d]
+        table = table.permute(2, 0, 1, 3, 4)
+        allowed = self.topology.mask(n).to(table.device)[None, :, :, None, None]
+        return table.masked_fill(~allowed, -math.inf)
+
+    def node_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, N]``: real tokens, then the virtual nodes (present in every row)."""
+        virtual = mask.new_ones(mask.shape[0], self.topology.extra_nodes)
+        return torch.cat([mask, virtual], dim=1)
+
+    def arc_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, N, N]``: the topology's arcs between nodes that exist in each row."""
+        nodes = self.node_mask(mask)
+        arcs = self.topology.mask(mask.shape[1]).to(mask.device)
+        return arcs[None] & nodes[:, :, None] & nodes[:, None, :]
+
+    def unary_table(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, N, d]`` unary log-potentials; 0 for padding and virtual nodes."""
+        scores = self.unary[tokens] * mask[..., None]
+        virtual = scores.new_zeros(tokens.shape[0], self.topology.extra_nodes, self.labels)
+        return torch.cat([scores, virtual], dim=1)
+
+    # ---- validation --------------------------------------------------------------
+
+    def check_inputs(self, tokens, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate a batch; returns ``(tokens [B, n] long, mask [B, n] bool)``."""
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(f"tokens must be a torch.Tensor of integer ids, got {type(tokens).__name__}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape [batch, length], got {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
+        if mask is None:
+            mask = torch.ones_like(tokens, dtype=torch.bool)
+        else:
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+            if mask.shape != tokens.shape:
+                raise ValueError(f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}")
+        empty = (~mask.any(dim=1)).nonzero().flatten()
+        if len(empty):
+            raise ValueError(f"mask leaves rows {empty.tolist()} with no tokens; every row needs >= 1 token")
+        real = tokens[mask]
+        if real.numel() and (real.min() < 0 or real.max() >= self.vocab_size):
+            bad = real[(real < 0) | (real >= self.vocab_size)][0].item()
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}) (vocab_size); found {bad}")
+        # Padded positions may hold any id (e.g. -100); index them safely.
+        return tokens.long().masked_fill(~mask, 0), mask
+
+    def check_parameters(self) -> None:
+        """Raise if any potential is NaN or infinite (it would poison every engine)."""
+        for name, param in self.named_parameters():
+            if not torch.isfinite(param).all():
+                raise ValueError(f"CRF parameter {name!r} contains NaN or Inf; potentials must be finite")
+
+    # ---- scoring and the Pyro model ------------------------------------------------
+
+    def log_potential(self, tokens, z, h, g=None, mask=None) -> torch.Tensor:
+        """``[B]`` unnormalised log joint of a full assignment.
+
+        z: ``[B, N]`` labels of every node; h: ``[B, C, N]`` heads (ignored for padding and
+        for nodes with no legal head); g: ``[B, n]`` global values (needed iff global_labels).
+        An illegal head gives ``-inf`` (the assignment has zero potential).
+        """
+        tokens, mask = self.check_inputs(tokens, mask)
+        self.check_parameters()
+        B, n = tokens.shape
+        N = self.topology.num_nodes(n)
+        z, h = _check_assignment("z", z, (B, N), self.labels), _check_assignment("h", h, (B, self.channels, N), N)
+        nodes, arcs = self.node_mask(mask), self.arc_mask(mask)
+        score = self.unary_table(tokens, mask).gather(-1, z[..., None]).squeeze(-1).sum(-1)
+
+        has_head = arcs.any(-1)  # [B, N]
+        table = self.ternary_tensor()  # [K, C, d, d]
+        groups = self.distance_groups(n).to(z.device)
+        batch, channel, node = torch.meshgrid(
+            torch.arange(B), torch.arange(self.channels), torch.arange(N), indexing="ij"
+        )
+        head_label = z[batch, h]
+        arc_score = table[groups[node, h], channel, z[batch, node], head_label]
+        legal = arcs[batch, node, h]
+        counted = has_head[:, None, :].expand_as(arc_score)
+        arc_score = torch.where(legal, arc_score, torch.full_like(arc_score, -math.inf))
+        score = score + torch.where(counted, arc_score, torch.zeros_like(arc_score)).sum((1, 2))
+
+        if self.global_labels:
+            if g is None:
+                raise ValueError("g is required: this CRF has global_labels > 0")
+            g = _check_assignment("g", g, (B, n), self.global_labels)
+            pair = self.binary[g, z[:, :n]]
+            score = score + (pair * mask).sum(-1)
+        elif g is not None:
+            raise ValueError("g must be None: this CRF has no global variables (global_labels=0)")
+        return score
+
+    def model(self, tokens, mask=None):
+        """The CRF as a Pyro model: one enumerable ``Categorical`` site per variable
+        (``z_i``, ``h_c_i``, ``g_i``) and one ``pyro.factor`` per potential.
+
+        Sites carry uniform priors; each variable's factor adds back the log of its
+        number of values, so the model's evidence is exactly the CRF's partition
+        function. Padded tokens get no factors (their sites integrate to one) and are
+        never heads; a node with no legal head in a channel gets no head site.
+        """
+        tokens, mask = self.check_inputs(tokens, mask)
+        self.check_parameters()
+        B, n = tokens.shape
+        N, d, C = self.topology.num_nodes(n), self.labels, self.channels
+        nodes, arcs = self.node_mask(mask), self.arc_mask(mask)
+        unary = self.unary_table(tokens, mask)
+        table, groups = self.ternary_tensor(), self.distance_groups(n).tolist()
+        rows = torch.arange(B, device=tokens.device)
+        zero = unary.new_zeros(())
+
+        with pyro.plate("batch", B, dim=-1):
+            z = []
+            for i in range(N):
+                z_i = pyro.sample(f"z_{i}", dist.Categorical(logits=unary.new_zeros(B, d)))
+                score = Vindex(unary)[rows, i, z_i] + math.log(d)
+                pyro.factor(f"unary_{i}", torch.where(nodes[:, i], score, zero))
+                z.append(z_i)
+
+            for i in range(n if self.global_labels else 0):
+                g_i = pyro.sample(f"g_{i}", dist.Categorical(logits=unary.new_zeros(B, self.global_labels)))
+                score = Vindex(self.binary)[g_i, z[i]] + math.log(self.global_labels)
+                pyro.factor(f"binary_{i}", torch.where(mask[:, i], score, zero))
+
+            for c in range(C):
+                for i in range(N):
+                    legal = arcs[:, i]  # [B, N]
+                    count = legal.sum(-1)
+                    if not count.any():
+                        continue
+                    # Rows where i has no legal head get a dummy uniform site with no factors.
+                    logits = torch.where(legal | (count == 0)[:, None], 0.0, -math.inf).to(unary.dtype)
+                    h_ci = pyro.sample(f"h_{c}_{i}", dist.Categorical(logits=logits))
+                    log_count = torch.where(count > 0, count.clamp(min=1).to(unary.dtype).log(), zero)
+                    pyro.factor(f"head_count_{c}_{i}", log_count)
+                    for j in legal.any(0).nonzero().flatten().tolist():
+                        score = table[groups[i][j], c][z[i], z[j]]
+                        chosen = (h_ci == j) & legal[:, j]
+                        pyro.factor(f"ternary_{c}_{i}_{j}", torch.where(chosen, score, zero))
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_assignment(name: str, value, shape: tuple[int, ...], size: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of shape {shape}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    if value.numel() and (value.min() < 0 or value.max() >= size):
+        raise ValueError(f"{name} values must lie in [0, {size})")
+    return value.long()

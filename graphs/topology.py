@@ -1,0 +1,240 @@
+"""Topologies: which head arcs a sentence's factor graph has.
+
+A topology is data. For a sentence of ``n`` tokens it names ``n + m`` nodes:
+the tokens first, then ``m`` *virtual* nodes (a Star-Transformer relay, SwarmFormer
+cluster nodes) that carry labels but no word. ``mask(n)[i, j]`` is True when node
+``i`` may choose node ``j`` as its head in a channel; the diagonal is always False
+(no self-arcs). ``graph(n)`` is the same arc set as a ``networkx.DiGraph`` with an
+edge ``i -> j`` for "i may choose j as head", for inspection and plotting.
+
+Topologies compose with ``|`` (union): token-token arcs are OR-ed, and each
+operand's virtual nodes are kept, laid out one operand after the other.
+
+Arcs are laid over the positions ``0..n-1`` of a (possibly padded) batch; a
+padded position simply loses its node (see ``graphs.CRF``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import networkx as nx
+import torch
+
+__all__ = [
+    "Topology",
+    "full",
+    "causal",
+    "window",
+    "star",
+    "clusters",
+    "segments",
+    "parse",
+    "NAMES",
+]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """An arc set over ``n`` tokens plus a fixed number of virtual nodes.
+
+    ``virtual`` names the virtual nodes (in order); ``build(n)`` returns the
+    ``[n + len(virtual), n + len(virtual)]`` boolean mask.
+    """
+
+    name: str
+    virtual: tuple[str, ...]
+    build: Callable[[int], torch.Tensor]
+
+    @property
+    def extra_nodes(self) -> int:
+        return len(self.virtual)
+
+    def num_nodes(self, n: int) -> int:
+        return n + self.extra_nodes
+
+    def mask(self, n: int) -> torch.Tensor:
+        """Boolean ``[n + m, n + m]``: ``mask[i, j]`` iff node i may take node j as head."""
+        n = _check_length(n)
+        arcs = self.build(n)
+        arcs.fill_diagonal_(False)
+        return arcs
+
+    def graph(self, n: int) -> nx.DiGraph:
+        """The arcs as a DiGraph (edge i -> j: i may choose j as head); nodes carry ``kind``."""
+        arcs = self.mask(n)
+        g = nx.DiGraph(topology=self.name)
+        for i in range(n):
+            g.add_node(i, kind="token")
+        for v, label in enumerate(self.virtual):
+            g.add_node(n + v, kind=label)
+        g.add_edges_from(map(tuple, arcs.nonzero().tolist()))
+        return g
+
+    def __or__(self, other: Topology) -> Topology:
+        if not isinstance(other, Topology):
+            return NotImplemented
+        left, right = self, other
+
+        def build(n: int) -> torch.Tensor:
+            a, b = left.build(n), right.build(n)
+            ma, mb = left.extra_nodes, right.extra_nodes
+            out = torch.zeros(n + ma + mb, n + ma + mb, dtype=torch.bool)
+            out[: n + ma, : n + ma] = a
+            # b's virtual nodes sit after a's: tokens keep indices 0..n-1.
+            b_index = torch.cat([torch.arange(n), torch.arange(n + ma, n + ma + mb)])
+            out[b_index[:, None], b_index[None, :]] |= b
+            return out
+
+        return Topology(f"{left.name} | {right.name}", left.virtual + right.virtual, build)
+
+    def __repr__(self) -> str:
+        return f"Topology({self.name})"
+
+
+def _check_length(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"sentence length n must be an integer >= 1, got {n!r}")
+    return n
+
+
+def _check_positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _offsets(n: int) -> torch.Tensor:
+    """``offsets[i, j] = j - i``: head position relative to the dependent."""
+    pos = torch.arange(n)
+    return pos[None, :] - pos[:, None]
+
+
+def full() -> Topology:
+    """Every token may choose every other token (the PT / BERT encoder)."""
+    return Topology("full()", (), lambda n: torch.ones(n, n, dtype=torch.bool))
+
+
+def causal() -> Topology:
+    """Token i may choose only earlier tokens j < i (a decoder). Token 0 has no head."""
+    return Topology("causal()", (), lambda n: _offsets(n) < 0)
+
+
+def window(w: int) -> Topology:
+    """Token i may choose tokens j with 0 < |i - j| <= w (local attention, no wrap-around)."""
+    w = _check_positive("window width w", w)
+    return Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w)
+
+
+def star(wrap: bool = False) -> Topology:
+    """Star-Transformer: a relay node joined both ways to every token, plus a ring.
+
+    The ring joins each token to its neighbours i - 1 and i + 1; with ``wrap=True``
+    the first and last tokens are neighbours too (a closed ring).
+    """
+
+    def build(n: int) -> torch.Tensor:
+        out = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        out[:n, :n] = _offsets(n).abs() == 1
+        if wrap and n > 2:
+            out[0, n - 1] = out[n - 1, 0] = True
+        out[:n, n] = True  # tokens -> relay
+        out[n, :n] = True  # relay -> tokens
+        return out
+
+    return Topology(f"star(wrap={wrap})", ("relay",), build)
+
+
+def clusters(k: int) -> Topology:
+    """SwarmFormer: k cluster nodes; token i belongs to cluster floor(i * k / n).
+
+    A token may choose its own cluster as head; a cluster may choose any of its
+    member tokens or any other cluster (clusters talk among themselves and
+    broadcast back). Tokens do not see each other: compose with ``window`` for
+    local token-token arcs.
+    """
+    k = _check_positive("number of clusters k", k)
+
+    def build(n: int) -> torch.Tensor:
+        out = torch.zeros(n + k, n + k, dtype=torch.bool)
+        member = (torch.arange(n) * k) // n  # contiguous, sizes differ by at most one
+        tokens = torch.arange(n)
+        out[tokens, n + member] = True
+        out[n + member, tokens] = True
+        out[n:, n:] = True
+        return out
+
+    return Topology(f"clusters({k})", tuple(f"cluster{c}" for c in range(k)), build)
+
+
+def segments(length: int) -> Topology:
+    """Folded context: segments of ``length`` tokens; a token may choose heads in its
+    own segment or in the previous segment (the condensed memory it folds in)."""
+    length = _check_positive("segment length l", length)
+
+    def build(n: int) -> torch.Tensor:
+        seg = torch.arange(n) // length
+        gap = seg[:, None] - seg[None, :]  # dependent's segment minus head's segment
+        return (gap == 0) | (gap == 1)
+
+    return Topology(f"segments({length})", (), build)
+
+
+NAMES: dict[str, Callable[..., Topology]] = {
+    "full": full,
+    "causal": causal,
+    "window": window,
+    "star": star,
+    "clusters": clusters,
+    "segments": segments,
+}
+
+_TERM = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*([^()]*?)\s*\))?\s*$")
+
+
+def parse(spec: str | Topology) -> Topology:
+    """A topology from text, e.g. ``"full"``, ``"window(3)"``, ``"window(2) | star()"``,
+    ``"star(wrap=True)"``. Arguments are integers or True/False."""
+    if isinstance(spec, Topology):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"topology must be a Topology or a non-empty string, got {spec!r}")
+    parts = [_parse_term(term, spec) for term in spec.split("|")]
+    result = parts[0]
+    for part in parts[1:]:
+        result = result | part
+    return result
+
+
+def _parse_term(term: str, spec: str) -> Topology:
+    match = _TERM.match(term)
+    if match is None:
+        raise ValueError(f"cannot parse topology {spec!r}: bad term {term.strip()!r}")
+    name, argtext = match.group(1), match.group(2)
+    if name not in NAMES:
+        raise ValueError(f"unknown topology name {name!r}; allowed: {sorted(NAMES)}")
+    args, kwargs = [], {}
+    for raw in filter(None, (a.strip() for a in (argtext or "").split(","))):
+        key, _, value = raw.rpartition("=")
+        parsed = _parse_value(value.strip(), spec)
+        if key:
+            kwargs[key.strip()] = parsed
+        else:
+            args.append(parsed)
+    try:
+        return NAMES[name](*args, **kwargs)
+    except TypeError as error:
+        raise ValueError(f"bad arguments for topology {name!r} in {spec!r}: {error}") from None
+
+
+def _parse_value(text: str, spec: str):
+    if text in ("True", "true"):
+        return True
+    if text in ("False", "false"):
+        return False
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"topology arguments must be integers or True/False; got {text!r} in {spec!r}") from None

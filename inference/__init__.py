@@ -1,0 +1,14 @@
+"""inference: engines that compute marginals of ``graphs`` models.
+
+Exact (Pyro enumeration) and Gibbs (NumPyro) are the reference oracles.
+``inference`` never imports ``probformer``.
+"""
+
+from inference.exact import Exact
+from inference.posterior import Posterior
+
+__all__ = ["Exact", "Posterior"]
+
+from inference.gibbs import Gibbs, GibbsResult  # noqa: E402
+
+__all__ += ["Gibbs", "GibbsResult"]

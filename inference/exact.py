@@ -1,0 +1,125 @@
+"""Exact inference on a CRF by enumerating its Pyro model.
+
+The model (``crf.model``) is run under ``poutine.enum`` so that every discrete
+site holds all its values in a tensor dimension of its own; the log-probabilities
+of all sites are then contracted with Pyro's tensor variable elimination
+(``pyro.ops.einsum`` / ``pyro.ops.contract`` with the log-sum-exp backend).
+Nothing here restates the CRF's formula: what the model says is what is summed.
+
+The cost grows like d ** N (N = tokens + virtual nodes): eliminating one head
+variable couples its node's label with every label it may attend to. ``Exact``
+refuses inputs above ``max_configurations`` label configurations per sentence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import opt_einsum
+import torch
+from pyro import poutine
+from pyro.infer import config_enumerate
+from pyro.poutine.util import site_is_subsample
+from pyro.ops.contract import einsum as contract_many
+from pyro.ops.einsum import contract as contract_one
+
+from inference.posterior import Posterior
+
+__all__ = ["Exact"]
+
+_LOG_BACKEND = "pyro.ops.einsum.torch_log"
+
+
+class Exact:
+    """Enumeration oracle for tiny CRFs.
+
+    Args:
+        crf: a ``graphs.CRF``.
+        max_configurations: refuse sentences where ``labels ** N`` exceeds this.
+    """
+
+    def __init__(self, crf, max_configurations: int = 2**16):
+        if max_configurations < 1:
+            raise ValueError(f"max_configurations must be >= 1, got {max_configurations}")
+        self.crf = crf
+        self.max_configurations = max_configurations
+
+    def log_partition(self, tokens, mask=None) -> torch.Tensor:
+        """``[B]`` exact log Z of each sentence."""
+        factors, _, letters = self._factors(tokens, mask)
+        equation = ",".join(letters) + "->" + _BATCH
+        return contract_one(equation, *factors, backend=_LOG_BACKEND)
+
+    def marginals(self, tokens, mask=None) -> Posterior:
+        """Exact marginals of every label, head and global variable, and log Z."""
+        tokens, mask = self.crf.check_inputs(tokens, mask)
+        factors, sites, letters = self._factors(tokens, mask)
+        outputs = [_BATCH + sites[name] for name in sites]
+        equation = ",".join(letters) + "->" + ",".join(outputs)
+        unnormalised = contract_many(
+            equation, *factors, plates=_BATCH, backend=_LOG_BACKEND, modulo_total=True
+        )
+        probs = {name: (t - t.logsumexp(-1, keepdim=True)).exp() for name, t in zip(sites, unnormalised)}
+
+        B, n = tokens.shape
+        N, d, C = self.crf.topology.num_nodes(n), self.crf.labels, self.crf.channels
+        nodes = self.crf.node_mask(mask)
+        has_head = self.crf.arc_mask(mask).any(-1)  # [B, N]
+        dtype = factors[0].dtype
+        z = torch.stack([probs[f"z_{i}"] for i in range(N)], dim=1) * nodes[..., None]
+        h = torch.zeros(B, C, N, N, dtype=dtype, device=z.device)
+        for c in range(C):
+            for i in range(N):
+                if f"h_{c}_{i}" in probs:
+                    h[:, c, i] = probs[f"h_{c}_{i}"] * has_head[:, i, None]
+        g = None
+        if self.crf.global_labels:
+            g = torch.stack([probs[f"g_{i}"] for i in range(n)], dim=1) * mask[..., None]
+        return Posterior(z=z, h=h, g=g, log_partition=self.log_partition(tokens, mask))
+
+    def _factors(self, tokens, mask):
+        """Trace the enumerated model; return its log-factors with einsum letters.
+
+        Every factor is expanded along the batch plate (dim -1) so that each
+        enumerated variable is per-sentence; size-1 enumeration dims are dropped.
+        Returns (factors, {site name: its letter}, [letters of each factor]).
+        """
+        tokens, mask = self.crf.check_inputs(tokens, mask)
+        B, n = tokens.shape
+        N = self.crf.topology.num_nodes(n)
+        configurations = self.crf.labels**N
+        if configurations > self.max_configurations:
+            raise ValueError(
+                f"Exact enumeration of {N} nodes (sentence length n={n} + "
+                f"{self.crf.topology.extra_nodes} virtual) with labels={self.crf.labels} needs "
+                f"{configurations} label configurations, above max_configurations="
+                f"{self.max_configurations}; use shorter inputs, fewer labels, or inference.Gibbs"
+            )
+        model = poutine.enum(config_enumerate(self.crf.model, "parallel"), first_available_dim=-2)
+        trace = poutine.trace(model).get_trace(tokens, mask)
+        trace.compute_log_prob()
+
+        factors, letters, sites = [], [], {}
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample" or site_is_subsample(site):
+                continue
+            log_prob = site["log_prob"]
+            if log_prob.dim() == 0:
+                log_prob = log_prob.expand(B)
+            if not site["is_observed"]:
+                sites[name] = _letter(-log_prob.dim())  # its enumeration dim is the leftmost
+            keep = [k for k in range(-log_prob.dim(), -1) if log_prob.shape[k] > 1]
+            squeezed = log_prob.expand(*log_prob.shape[:-1], B).squeeze(
+                tuple(k for k in range(-log_prob.dim(), -1) if log_prob.shape[k] == 1)
+            )
+            factors.append(squeezed)
+            letters.append("".join(_letter(k) for k in keep) + _BATCH)
+        return factors, sites, letters
+
+
+def _letter(dim: int) -> str:
+    """The einsum symbol of the (negative) tensor dim ``dim``; the batch plate is dim -1."""
+    return opt_einsum.get_symbol(-dim)
+
+
+_BATCH = _letter(-1)
