@@ -165,7 +165,9 @@ class CRF(nn.Module):
             if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
                 raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask))}")
             if mask.shape != tokens.shape:
-                raise ValueError(f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}")
+                raise ValueError(
+                    f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}"
+                )
         empty = (~mask.any(dim=1)).nonzero().flatten()
         if len(empty):
             raise ValueError(f"mask leaves rows {empty.tolist()} with no tokens; every row needs >= 1 token")
@@ -195,8 +197,11 @@ class CRF(nn.Module):
         self.check_parameters()
         B, n = tokens.shape
         N = self.topology.num_nodes(n)
-        z, h = _check_assignment("z", z, (B, N), self.labels), _check_assignment("h", h, (B, self.channels, N), N)
-        nodes, arcs = self.node_mask(mask), self.arc_mask(mask)
+        z, h = (
+            _check_assignment("z", z, (B, N), self.labels),
+            _check_assignment("h", h, (B, self.channels, N), N),
+        )
+        arcs = self.arc_mask(mask)
         score = self.unary_table(tokens, mask).gather(-1, z[..., None]).squeeze(-1).sum(-1)
 
         has_head = arcs.any(-1)  # [B, N]

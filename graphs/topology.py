@@ -237,4 +237,6 @@ def _parse_value(text: str, spec: str):
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"topology arguments must be integers or True/False; got {text!r} in {spec!r}") from None
+        raise ValueError(
+            f"topology arguments must be integers or True/False; got {text!r} in {spec!r}"
+        ) from None

@@ -13,15 +13,13 @@ refuses inputs above ``max_configurations`` label configurations per sentence.
 
 from __future__ import annotations
 
-import math
-
 import opt_einsum
 import torch
 from pyro import poutine
 from pyro.infer import config_enumerate
-from pyro.poutine.util import site_is_subsample
 from pyro.ops.contract import einsum as contract_many
 from pyro.ops.einsum import contract as contract_one
+from pyro.poutine.util import site_is_subsample
 
 from inference.posterior import Posterior
 
@@ -62,7 +60,7 @@ class Exact:
         probs = {name: (t - t.logsumexp(-1, keepdim=True)).exp() for name, t in zip(sites, unnormalised)}
 
         B, n = tokens.shape
-        N, d, C = self.crf.topology.num_nodes(n), self.crf.labels, self.crf.channels
+        N, C = self.crf.topology.num_nodes(n), self.crf.channels
         nodes = self.crf.node_mask(mask)
         has_head = self.crf.arc_mask(mask).any(-1)  # [B, N]
         dtype = factors[0].dtype
@@ -99,21 +97,28 @@ class Exact:
         trace = poutine.trace(model).get_trace(tokens, mask)
         trace.compute_log_prob()
 
-        factors, letters, sites = [], [], {}
+        log_probs, sites = [], {}
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or site_is_subsample(site):
                 continue
             log_prob = site["log_prob"]
-            if log_prob.dim() == 0:
-                log_prob = log_prob.expand(B)
+            log_prob = log_prob.expand(*log_prob.shape[:-1], B) if log_prob.dim() else log_prob.expand(B)
             if not site["is_observed"]:
-                sites[name] = _letter(-log_prob.dim())  # its enumeration dim is the leftmost
-            keep = [k for k in range(-log_prob.dim(), -1) if log_prob.shape[k] > 1]
-            squeezed = log_prob.expand(*log_prob.shape[:-1], B).squeeze(
-                tuple(k for k in range(-log_prob.dim(), -1) if log_prob.shape[k] == 1)
-            )
-            factors.append(squeezed)
+                sites[name] = -log_prob.dim()  # its enumeration dim is the leftmost
+            log_probs.append(log_prob)
+        enum_dims = set(sites.values())
+
+        size = {k: max(t.shape[k] for t in log_probs if t.dim() >= -k) for k in enum_dims}
+        factors, letters = [], []
+        for log_prob in log_probs:
+            keep = [k for k in range(-log_prob.dim(), -1) if log_prob.shape[k] > 1 or k in enum_dims]
+            drop = tuple(k for k in range(-log_prob.dim(), -1) if k not in keep)
+            full = [
+                size[k] if k in enum_dims else s for k, s in zip(range(-log_prob.dim(), 0), log_prob.shape)
+            ]
+            factors.append(log_prob.expand(full).squeeze(drop))
             letters.append("".join(_letter(k) for k in keep) + _BATCH)
+        sites = {name: _letter(k) for name, k in sites.items()}
         return factors, sites, letters
 
 

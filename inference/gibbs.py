@@ -3,8 +3,14 @@
 The CRF's log-potential is restated in JAX (NumPyro cannot run a Pyro model) from
 the *tables* the CRF exposes as data (``unary_table``, ``ternary_tensor``,
 ``distance_groups``, ``arc_mask``), so the structure is read, not re-declared.
-Sampling uses ``numpyro.infer.DiscreteGibbs`` (exact single-site conditionals in a
-random-scan sweep); chains run side by side under ``jax.vmap``.
+
+Blocked (collapsed) Gibbs: given the labels z, every head H_i^c and global G_i is
+independent, so they are summed out in closed form and
+``numpyro.infer.DiscreteGibbs`` runs on z alone (exact single-site conditionals,
+random-scan sweeps, chains side by side under ``jax.vmap``). Then (h, g) | z is
+drawn exactly as one block per draw, and the h and g marginals are
+Rao-Blackwellised (averages of the exact conditionals). Plain single-site Gibbs
+over (z, h) gets stuck when labels and heads are strongly coupled.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ class GibbsResult:
     """Draws and their summaries.
 
     marginals: ``Posterior`` of empirical marginals (z, h, g).
-    standard_error: Monte-Carlo standard errors of those marginals, same shapes,
-        ``sqrt(p (1 - p) / ESS)`` with ArviZ's bulk ESS of each indicator.
-    effective_sample_size: ArviZ bulk ESS of each indicator, same shapes (indicators
-        that never move get the raw number of draws).
-    rhat: the largest R-hat over every indicator that moves (1.0 = converged).
-    inference_data: the draws as an ArviZ ``InferenceData`` (posterior z, h, g).
+    standard_error: Monte-Carlo standard errors of those marginals, same shapes:
+        ``std / sqrt(ESS)`` of the per-draw values (z indicators; exact h and g
+        conditionals), with ArviZ's bulk ESS.
+    effective_sample_size: that ESS, same shapes (values that never move get the raw
+        number of draws).
+    rhat: the largest R-hat over every per-draw value that moves (1.0 = converged).
+    inference_data: the draws as an ArviZ ``InferenceData`` (posterior z, h, g;
+        h and g drawn exactly given each z).
     """
 
     marginals: Posterior
@@ -51,7 +59,9 @@ class Gibbs:
         seed: the JAX PRNG seed.
     """
 
-    def __init__(self, crf, num_samples: int = 2000, num_warmup: int = 500, num_chains: int = 4, seed: int = 0):
+    def __init__(
+        self, crf, num_samples: int = 2000, num_warmup: int = 500, num_chains: int = 4, seed: int = 0
+    ):
         for name, value, minimum in (
             ("num_samples", num_samples, 1),
             ("num_warmup", num_warmup, 0),
@@ -60,7 +70,12 @@ class Gibbs:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
         self.crf = crf
-        self.num_samples, self.num_warmup, self.num_chains, self.seed = num_samples, num_warmup, num_chains, seed
+        self.num_samples, self.num_warmup, self.num_chains, self.seed = (
+            num_samples,
+            num_warmup,
+            num_chains,
+            seed,
+        )
 
     def sample(self, tokens, mask=None) -> GibbsResult:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -84,28 +99,31 @@ class Gibbs:
         has_head = arcs.any(-1)  # [B, N]
         groups = jnp.asarray(crf.distance_groups(n).numpy())
         token_mask = jnp.asarray(mask.cpu().numpy())
-        # NumPyro rejects -inf logits; exp(-1e30) is exactly zero in floating point.
-        head_logits = jnp.where(arcs | ~has_head[..., None], 0.0, -1e30)
-        head_logits = jnp.broadcast_to(head_logits[:, None], (B, C, N, N))
-        nodes = jnp.arange(N)[None, None, :]
         channel = jnp.arange(C)[None, :, None]
+        illegal = ~arcs[:, None, :, :]  # [B, 1, N(dependent), N(head)]
+
+        def conditionals(z):
+            """Log-conditionals of every head [B, C, N, N] and global [B, n, G] given z [B, N]."""
+            z_dep = jnp.broadcast_to(z[:, None, :, None], (B, C, N, N))
+            z_head = jnp.broadcast_to(z[:, None, None, :], (B, C, N, N))
+            group = jnp.broadcast_to(groups[None, None], (B, C, N, N))
+            head = table[group, channel[..., None], z_dep, z_head]
+            head = jnp.where(illegal, -1e30, head)  # exp(-1e30) is exactly zero
+            glob = binary.T[z[:, :n]] if G else None
+            return head, glob
+
+        def collapsed_log_potential(z):
+            head, glob = conditionals(z)
+            score = jnp.take_along_axis(unary, z[..., None], -1).sum()
+            score += jnp.where(has_head[:, None, :], jax.nn.logsumexp(head, -1), 0.0).sum()
+            if G:
+                score += jnp.where(token_mask, jax.nn.logsumexp(glob, -1), 0.0).sum()
+            return score
 
         def model():
-            with numpyro.plate("sentence", B, dim=-3), numpyro.plate("node_z", N, dim=-1):
-                z = numpyro.sample("z", dist.Categorical(logits=jnp.zeros((1, N, d))))[:, 0]  # [B, N]
-            with numpyro.plate("sentence", B, dim=-3), numpyro.plate("channel", C, dim=-2):
-                with numpyro.plate("node_h", N, dim=-1):
-                    h = numpyro.sample("h", dist.Categorical(logits=head_logits))  # [B, C, N]
-            score = jnp.take_along_axis(unary, z[..., None], -1).sum()
-            z_dep = jnp.broadcast_to(z[:, None, :], (B, C, N))
-            z_head = jnp.take_along_axis(z_dep, h, axis=-1)
-            arc = table[groups[nodes, h], channel, z_dep, z_head]
-            score = score + jnp.where(has_head[:, None, :], arc, 0.0).sum()
-            if G:
-                with numpyro.plate("sentence", B, dim=-3), numpyro.plate("token", n, dim=-1):
-                    g = numpyro.sample("g", dist.Categorical(logits=jnp.zeros((1, n, G))))[:, 0]
-                score = score + jnp.where(token_mask, binary[g, z[:, :n]], 0.0).sum()
-            numpyro.factor("potential", score)
+            with numpyro.plate("sentence", B, dim=-2), numpyro.plate("node", N, dim=-1):
+                z = numpyro.sample("z", dist.Categorical(logits=jnp.zeros((N, d))))
+            numpyro.factor("potential", collapsed_log_potential(z))
 
         mcmc = MCMC(
             DiscreteGibbs(model),
@@ -115,32 +133,55 @@ class Gibbs:
             chain_method=jax.vmap,
             progress_bar=False,
         )
-        mcmc.run(jax.random.PRNGKey(self.seed))
-        draws = {k: np.asarray(v) for k, v in mcmc.get_samples(group_by_chain=True).items()}
-        draws = {k: v[:, :, :, 0] if k in ("z", "g") else v for k, v in draws.items()}  # drop the channel axis
+        key_chains, key_block = jax.random.split(jax.random.PRNGKey(self.seed))
+        mcmc.run(key_chains)
+        z_draws = mcmc.get_samples(group_by_chain=True)["z"]  # [chain, draw, B, N]
 
-        nodes_np, has_head_np = crf.node_mask(mask).numpy(), np.asarray(has_head)
-        indicators = {
-            "z": np.eye(d)[draws["z"]] * nodes_np[..., None],
-            "h": np.eye(N)[draws["h"]] * has_head_np[:, None, :, None],
+        def block(key, z):
+            head, glob = conditionals(z)
+            key_h, key_g = jax.random.split(key)
+            h = jax.random.categorical(key_h, head)
+            head_p = jnp.where(has_head[:, None, :, None], jax.nn.softmax(head, -1), 0.0)
+            if not G:
+                return h, head_p, None, None
+            g = jax.random.categorical(key_g, glob)
+            return h, head_p, g, jnp.where(token_mask[..., None], jax.nn.softmax(glob, -1), 0.0)
+
+        flat = z_draws.reshape((-1, B, N))
+        keys = jax.random.split(key_block, flat.shape[0])
+        h, head_p, g, glob_p = jax.vmap(block)(keys, flat)
+        shape = z_draws.shape[:2]
+        draws = {"z": np.asarray(z_draws), "h": np.asarray(h).reshape(shape + (B, C, N))}
+        values = {  # per-draw quantities whose means are the marginals
+            "z": np.eye(d)[draws["z"]] * crf.node_mask(mask).numpy()[..., None],
+            "h": np.asarray(head_p).reshape(shape + (B, C, N, N)),
         }
         if G:
-            indicators["g"] = np.eye(G)[draws["g"]] * mask.numpy()[..., None]
+            draws["g"] = np.asarray(g).reshape(shape + (B, n))
+            values["g"] = np.asarray(glob_p).reshape(shape + (B, n, G))
+
         means, errors, sizes, rhats = {}, {}, {}, []
         total = float(self.num_chains * self.num_samples)
-        for name, x in indicators.items():
-            p = x.mean(axis=(0, 1))
-            moving = x.std(axis=(0, 1)) > 0
+        for name, x in values.items():
+            moving = x.std(axis=(0, 1)) > 1e-12
             with np.errstate(invalid="ignore", divide="ignore"):  # chains stuck on one value
-                size = np.where(moving, arviz_interop.ess(x), total) if moving.any() else np.full_like(p, total)
+                size = (
+                    np.where(moving, arviz_interop.ess(x), total)
+                    if moving.any()
+                    else np.full(x.shape[2:], total)
+                )
                 if moving.any() and self.num_chains > 1:
                     rhats.append(np.nanmax(np.where(moving, arviz_interop.rhat(x), np.nan)))
-            means[name] = torch.from_numpy(p)
+            means[name] = torch.from_numpy(x.mean(axis=(0, 1)))
             sizes[name] = torch.from_numpy(np.asarray(size, dtype=float))
-            errors[name] = torch.from_numpy(np.sqrt(p * (1 - p) / size))
+            errors[name] = torch.from_numpy(x.std(axis=(0, 1)) / np.sqrt(size))
         inference_data = arviz_interop.from_arrays(
             {"posterior": draws},
-            dims={"z": ["sentence", "node"], "h": ["sentence", "channel", "node"], "g": ["sentence", "token"]},
+            dims={
+                "z": ["sentence", "node"],
+                "h": ["sentence", "channel", "node"],
+                "g": ["sentence", "token"],
+            },
         )
         return GibbsResult(
             marginals=Posterior(z=means["z"], h=means["h"], g=means.get("g")),

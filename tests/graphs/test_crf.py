@@ -1,0 +1,204 @@
+import itertools
+import math
+
+import pyro
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from pyro import poutine
+from pyro.infer import TraceEnum_ELBO, config_enumerate
+
+import graphs
+from tests import oracles
+from tests.strategies import tiny_crfs
+
+
+def make_crf(**kwargs):
+    torch.manual_seed(0)
+    args = dict(vocab_size=7, labels=3, channels=2, rank=2, global_labels=0, topology="full")
+    args.update(kwargs)
+    return graphs.CRF(**args)
+
+
+def test_parameter_names_and_shapes():
+    crf = make_crf(global_labels=4, gamma=3)
+    assert crf.unary.shape == (7, 3)
+    assert crf.ternary_u.shape == crf.ternary_v.shape == (8, 2, 3, 2)
+    assert crf.binary.shape == (4, 3)
+    assert make_crf().binary is None
+    assert make_crf(topology="star()").ternary_u.shape[0] == 9  # + one group for virtual arcs
+    assert make_crf(gamma=0).num_groups == 2
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 3, 5])
+def test_distance_groups_match_definition(gamma):
+    n = 9
+    groups = graphs.distance_groups(n, gamma, extra_nodes=2)
+    for i, j in itertools.product(range(n + 2), repeat=2):
+        if i != j:
+            assert groups[i, j] == oracles.group_of(i, j, n, gamma), (i, j)
+    token_groups = {groups[i, j].item() for i in range(n) for j in range(n) if i != j}
+    assert token_groups == set(range(2 * (gamma + 1)))
+
+
+@pytest.mark.parametrize("topo", ["full", "causal", "window(2)", "star()", "clusters(2)", "segments(2)"])
+def test_ternary_table_is_the_potential_per_arc(topo):
+    crf = make_crf(topology=topo)
+    n = 5
+    table = crf.ternary_table(n)
+    N = crf.topology.num_nodes(n)
+    assert table.shape == (2, N, N, 3, 3)
+    T = torch.einsum("kcar,kcbr->kcab", crf.ternary_u, crf.ternary_v).detach()
+    allowed = crf.topology.mask(n)
+    for c, i, j in itertools.product(range(2), range(N), range(N)):
+        if allowed[i, j]:
+            torch.testing.assert_close(table[c, i, j].detach(), T[oracles.group_of(i, j, n, crf.gamma), c])
+        else:
+            assert torch.isneginf(table[c, i, j]).all()
+    assert torch.isneginf(table.diagonal(dim1=1, dim2=2)).all()
+
+
+@given(data=tiny_crfs(), seed=st.integers(0, 1000))
+def test_log_potential_matches_independent_scorer(data, seed):
+    crf, tokens, mask = data
+    B, n = tokens.shape
+    N = crf.topology.num_nodes(n)
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randint(0, crf.labels, (B, N), generator=gen)
+    h = torch.randint(0, N, (B, crf.channels, N), generator=gen)
+    g = torch.randint(0, crf.global_labels, (B, n), generator=gen) if crf.global_labels else None
+    got = crf.log_potential(tokens, z, h, g, mask)
+    for b in range(B):
+        expected = oracles.log_potential(
+            crf,
+            tokens[b].tolist(),
+            mask[b].tolist(),
+            z[b].tolist(),
+            h[b].tolist(),
+            None if g is None else g[b].tolist(),
+        )
+        if math.isinf(expected):
+            assert torch.isneginf(got[b])
+        else:
+            assert got[b].item() == pytest.approx(expected, abs=1e-4)
+
+
+def test_model_runs_under_pyro_handlers_and_trace_enum_elbo_gives_log_z():
+    crf = make_crf(labels=2, global_labels=2, topology="window(1) | star()")
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    trace = poutine.trace(crf.model).get_trace(tokens, mask)
+    names = [name for name, site in trace.nodes.items() if site["type"] == "sample"]
+    assert {"z_0", "z_3", "g_0", "h_0_0", "h_1_3", "unary_0", "ternary_0_0_1"} <= set(names)
+    assert "g_3" not in names  # the relay has no global variable
+    assert not trace.nodes["h_0_0"]["is_observed"] and trace.nodes["unary_0"]["is_observed"]
+    elbo = TraceEnum_ELBO(max_plate_nesting=1)
+    with torch.no_grad():
+        log_z = -elbo.loss(config_enumerate(crf.model), lambda *a, **k: None, tokens, mask)
+    expected = sum(oracles.brute_force(crf, tokens[b].tolist(), mask[b].tolist())[0] for b in range(2))
+    assert log_z == pytest.approx(expected, abs=1e-4)
+
+
+def test_padded_tokens_have_no_factors_and_are_never_heads():
+    crf = make_crf(labels=2)
+    tokens = torch.tensor([[1, 2, 3]])
+    mask = torch.tensor([[True, True, False]])
+    trace = poutine.trace(crf.model).get_trace(tokens, mask)
+    probs = trace.nodes["h_0_0"]["fn"].probs
+    assert probs[0, 2] == 0  # the padded position cannot be chosen
+    assert trace.nodes["unary_2"]["fn"].log_prob(trace.nodes["unary_2"]["value"]).item() == 0
+    assert "ternary_0_0_2" not in trace.nodes and "ternary_0_2_0" not in trace.nodes
+
+
+# ---- bad input -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tokens,mask,error,match",
+    [
+        (torch.tensor([[1.0, 2.0]]), None, TypeError, "integer dtype"),
+        ([[1, 2]], None, TypeError, "torch.Tensor"),
+        (torch.tensor([1, 2]), None, ValueError, r"shape \[batch, length\]"),
+        (torch.zeros(1, 0, dtype=torch.long), None, ValueError, "non-empty"),
+        (torch.tensor([[1, 7]]), None, ValueError, r"\[0, 7\) \(vocab_size\); found 7"),
+        (torch.tensor([[-1, 2]]), None, ValueError, "found -1"),
+        (
+            torch.tensor([[1, 2], [3, 4]]),
+            torch.tensor([[True, True], [False, False]]),
+            ValueError,
+            r"rows \[1\]",
+        ),
+        (torch.tensor([[1, 2]]), torch.tensor([[1, 1]]), TypeError, "torch.bool"),
+        (torch.tensor([[1, 2]]), torch.tensor([[True, True, True]]), ValueError, "mask shape"),
+    ],
+)
+def test_bad_inputs_raise_named_errors(tokens, mask, error, match):
+    crf = make_crf()
+    with pytest.raises(error, match=match):
+        crf.check_inputs(tokens, mask)
+    with pytest.raises(error, match=match):
+        poutine.trace(crf.model).get_trace(tokens, mask)
+
+
+def test_padded_positions_may_hold_any_id():
+    crf = make_crf()
+    tokens, mask = crf.check_inputs(torch.tensor([[1, -100]]), torch.tensor([[True, False]]))
+    assert tokens.tolist() == [[1, 0]]
+
+
+@pytest.mark.parametrize("name", ["unary", "ternary_u", "ternary_v", "binary"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_potentials_are_refused(name, value):
+    crf = make_crf(global_labels=2)
+    with torch.no_grad():
+        getattr(crf, name).view(-1)[0] = value
+    with pytest.raises(ValueError, match=f"'{name}' contains NaN or Inf"):
+        poutine.trace(crf.model).get_trace(torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        crf.ternary_table(3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(labels=0), "labels must be an integer >= 1"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(channels=0), "channels"),
+        (dict(rank=0), "rank"),
+        (dict(global_labels=-1), "global_labels must be an integer >= 0"),
+        (dict(gamma=-1), "gamma"),
+        (dict(labels=2.5), "labels"),
+        (dict(topology="spiral"), "unknown topology name 'spiral'"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_crf(**kwargs)
+
+
+def test_log_potential_validates_assignments():
+    crf = make_crf(global_labels=2)
+    tokens = torch.tensor([[1, 2]])
+    z, h, g = (
+        torch.zeros(1, 2, dtype=torch.long),
+        torch.tensor([[[1, 0], [1, 0]]]),
+        torch.zeros(1, 2, dtype=torch.long),
+    )
+    with pytest.raises(ValueError, match="z must have shape"):
+        crf.log_potential(tokens, z[:, :1], h, g)
+    with pytest.raises(ValueError, match=r"z values must lie in \[0, 3\)"):
+        crf.log_potential(tokens, z + 5, h, g)
+    with pytest.raises(ValueError, match="g is required"):
+        crf.log_potential(tokens, z, h)
+    with pytest.raises(TypeError, match="h must be an integer tensor"):
+        crf.log_potential(tokens, z, h.float(), g)
+    assert torch.isneginf(crf.log_potential(tokens, z, torch.zeros(1, 2, 2, dtype=torch.long), g)).all()
+
+
+def test_model_is_device_and_dtype_agnostic_float64():
+    crf = make_crf(labels=2).double()
+    tokens = torch.tensor([[1, 2, 3]])
+    trace = poutine.trace(config_enumerate(crf.model)).get_trace(tokens)
+    assert trace.nodes["unary_0"]["fn"].log_prob(trace.nodes["unary_0"]["value"]).dtype == torch.float64
+    pyro.clear_param_store()

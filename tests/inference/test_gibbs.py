@@ -1,0 +1,61 @@
+import numpy as np
+import pytest
+import torch
+
+import graphs
+import inference
+
+
+def case(topology, global_labels, seed):
+    torch.manual_seed(seed)
+    crf = graphs.CRF(
+        vocab_size=6, labels=2, channels=2, rank=2, global_labels=global_labels, topology=topology
+    )
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.mul_(2.0)  # peaked enough that a wrong sampler would show
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    return crf, tokens, mask
+
+
+@pytest.mark.parametrize("topology,global_labels,seed", [("window(1) | star()", 2, 0), ("causal", 0, 1)])
+def test_gibbs_marginals_agree_with_exact_within_four_standard_errors(topology, global_labels, seed):
+    crf, tokens, mask = case(topology, global_labels, seed)
+    with torch.no_grad():
+        exact = inference.Exact(crf).marginals(tokens, mask)
+    result = inference.Gibbs(crf, num_samples=3000, num_warmup=300, num_chains=4, seed=seed).sample(
+        tokens, mask
+    )
+    assert result.rhat < 1.05
+    for name in ["z", "h"] + (["g"] if global_labels else []):
+        p = getattr(exact, name).detach().double()
+        estimate = getattr(result.marginals, name)
+        ess = getattr(result.effective_sample_size, name)
+        assert estimate.shape == p.shape
+        # the standard error under the exact p (an estimate stuck at 0 or 1 still has one)
+        se = torch.sqrt(p * (1 - p) / ess).clamp(min=1e-12)
+        z_scores = (estimate - p).abs() / se
+        assert z_scores.max() < 4, (name, z_scores.max())
+    posterior = result.inference_data.posterior
+    assert set(posterior.data_vars) >= {"z", "h"}
+    assert posterior["z"].shape == (4, 3000, 2, crf.topology.num_nodes(3))
+
+
+def test_gibbs_validates_its_arguments():
+    crf, _, _ = case("full", 0, 0)
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1"):
+        inference.Gibbs(crf, num_samples=0)
+    with pytest.raises(ValueError, match="num_chains"):
+        inference.Gibbs(crf, num_chains=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        inference.Gibbs(crf).sample(torch.tensor([[99]]))
+
+
+def test_gibbs_draws_are_reproducible_under_a_seed():
+    crf, tokens, mask = case("window(1)", 0, 3)
+    a = inference.Gibbs(crf, num_samples=50, num_warmup=10, seed=7).sample(tokens, mask)
+    b = inference.Gibbs(crf, num_samples=50, num_warmup=10, seed=7).sample(tokens, mask)
+    np.testing.assert_array_equal(
+        a.inference_data.posterior["z"].values, b.inference_data.posterior["z"].values
+    )
