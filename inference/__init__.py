@@ -12,3 +12,7 @@ __all__ = ["Exact", "Posterior"]
 from inference.gibbs import Gibbs, GibbsResult  # noqa: E402
 
 __all__ += ["Gibbs", "GibbsResult"]
+
+from inference.mean_field import MeanField, MessageWeights, MupScales  # noqa: E402
+
+__all__ += ["MeanField", "MessageWeights", "MupScales"]

@@ -1,0 +1,327 @@
+"""Messages through the head variables: the attention inside mean field.
+
+Given per-node projections of the label marginals for every distance group k and
+channel c (``query = q_z U``, ``key = q_z V``, both ``[B, N, K, C, r]``), the head
+marginals are ``P[c, i, j] = softmax_j(scale * query[i, k(i,j), c] . key[j, k(i,j), c])``
+over the legal heads j of i, and the messages to the labels are
+
+    forward[i, k, c] = sum_j P[c, i, j] [k(i,j) = k] value[j, k, c]       (from i's head)
+    reverse[i, k, c] = sum_j P[c, j, i] [k(j,i) = k] value_rev[j, k, c]   (from i's dependents)
+
+(async mean field: value = key, value_rev = query). Both kernels return these and the
+row log-normaliser ``lse [B, C, N]``.
+
+``naive`` materialises ``P [B, C, N, N]``: the reference, and the only kernel with
+damping, step sizes and dropout on P. ``fused`` never does: the distance groups are
+disjoint, so a row's arcs split into near-diagonal bands (one diagonal per group with
+|offset| <= gamma, O(n) work), two far attentions (offset > gamma to the right or to
+the left, one group each) and the slices touching virtual nodes; their
+log-normalisers merge by log-sum-exp. The reverse message of a far part is an
+attention with queries and keys swapped whose key bias is ``-lse`` of the forward
+rows, un-normalised by its own ``lse`` (so no column sum is ever materialised).
+
+Rows with no legal head (padding, ``causal`` at i = 0) get a zero row of P and
+``lse = 0``: a "null head" of logit 0 is the only choice there, which keeps softmax
+and its gradient finite.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available"]
+
+_MASKED = -1e9  # finite "minus infinity" inside fused kernels: exp() of it is exactly 0
+
+
+@dataclass
+class HeadStructure:
+    """Everything a kernel needs to know about the arcs of one batch."""
+
+    n: int  # tokens
+    gamma: int
+    groups: torch.Tensor  # [N, N] long
+    arcs: torch.Tensor  # [B, N, N] bool: topology & existing nodes
+    nodes: torch.Tensor  # [B, N] bool
+    token_arcs: torch.Tensor  # [n, n] bool: the topology alone, between tokens
+
+    @property
+    def has_head(self) -> torch.Tensor:
+        return self.arcs.any(-1)
+
+    @property
+    def virtual_group(self) -> int:
+        return 2 * (self.gamma + 1)
+
+
+@dataclass
+class HeadMessages:
+    forward: torch.Tensor  # [B, N, K, C, r]
+    reverse: torch.Tensor  # [B, N, K, C, r]
+    lse: torch.Tensor  # [B, C, N]
+    probs: torch.Tensor | None = None  # [B, C, N, N] (naive only)
+    logits: torch.Tensor | None = None  # [B, C, N, N] (naive only; for damping)
+    query: torch.Tensor | None = None  # the projections the head marginals were computed from
+    key: torch.Tensor | None = None
+
+
+def _heads(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``[B, N, K, C, r]`` -> group k as ``[B, C, N, r]``."""
+    return x[:, :, k].transpose(1, 2)
+
+
+def _unheads(per_group: list[torch.Tensor]) -> torch.Tensor:
+    """K tensors ``[B, C, N, r]`` -> ``[B, N, K, C, r]``."""
+    return torch.stack(per_group, dim=2).transpose(1, 3)
+
+
+# ---- naive ------------------------------------------------------------------------
+
+
+def naive_logits(query, key, scale, structure: HeadStructure) -> torch.Tensor:
+    """``[B, C, N, N]`` head logits, ``-inf`` on illegal arcs."""
+    K = query.shape[2]
+    logits = None
+    for k in range(K):
+        scores = scale * (_heads(query, k) @ _heads(key, k).transpose(-1, -2))
+        logits = scores if logits is None else torch.where(structure.groups == k, scores, logits)
+    return logits.masked_fill(~structure.arcs[:, None], -math.inf)
+
+
+def _softmax_with_null(logits: torch.Tensor, has_head: torch.Tensor):
+    """Row softmax and log-normaliser with a null column of logit 0 on rows without heads."""
+    null = torch.where(has_head, -math.inf, 0.0).to(logits.dtype)[:, None, :, None]
+    null = null.expand(*logits.shape[:-1], 1)
+    extended = torch.cat([logits, null], dim=-1)
+    return extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
+
+
+def naive(
+    query,
+    key,
+    value,
+    value_rev,
+    scale: float,
+    structure: HeadStructure,
+    *,
+    damping: float = 0.0,
+    previous_logits: torch.Tensor | None = None,
+    step_size: float = 1.0,
+    previous_probs: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> HeadMessages:
+    logits = naive_logits(query, key, scale, structure)
+    if damping and previous_logits is not None:
+        logits = damping * previous_logits + (1 - damping) * logits
+    probs, lse = _softmax_with_null(logits, structure.has_head)
+    if step_size != 1.0 and previous_probs is not None:
+        probs = (1 - step_size) * previous_probs + step_size * probs
+    kept = probs
+    probs = F.dropout(probs, dropout, training) if dropout else probs
+    forward, reverse = [], []
+    for k in range(query.shape[2]):
+        in_group = probs * (structure.groups == k)
+        forward.append(in_group @ _heads(value, k))
+        reverse.append(in_group.transpose(-1, -2) @ _heads(value_rev, k))
+    return HeadMessages(_unheads(forward), _unheads(reverse), lse, kept, logits, query, key)
+
+
+# ---- fused ------------------------------------------------------------------------
+
+_flash_forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def fused_available(device: torch.device) -> bool:
+    return device.type == "cpu" and _flash_forward is not None and _flash_backward is not None
+
+
+class _FlashWithLse(torch.autograd.Function):
+    """CPU flash attention whose log-sum-exp output is differentiable too.
+
+    The aten backward computes D_i = dO_i . O_i itself; the gradient g_i of lse_i
+    enters the score gradient as dS_ij = A_ij (dO_i . v_j - D_i + g_i), so one extra
+    zero column in q, k, v, a ones column in dO and a -g_i column in O fold it in.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, is_causal, attn_mask):
+        out, lse = _flash_forward(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.is_causal, ctx.attn_mask = scale, is_causal, attn_mask
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        options = dict(attn_mask=ctx.attn_mask, scale=ctx.scale)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
+        if grad_lse is None:
+            grads = _flash_backward(grad_out, q, k, v, out, lse, 0.0, ctx.is_causal, **options)
+        else:
+            pad = lambda t: F.pad(t, (0, 1))  # noqa: E731
+            grads = _flash_backward(
+                torch.cat([grad_out, torch.ones_like(grad_out[..., :1])], -1),
+                pad(q),
+                pad(k),
+                pad(v),
+                torch.cat([out, -grad_lse.unsqueeze(-1).to(out.dtype)], -1),
+                lse,
+                0.0,
+                ctx.is_causal,
+                **options,
+            )
+            grads = [g[..., :-1] for g in grads]
+        return grads[0], grads[1], grads[2], None, None, None
+
+
+def _attention(q, k, v, key_bias, scale, *, is_causal=False, attn_mask=None):
+    """softmax(scale q k^T + key_bias + mask) v and its row lse, differentiable in all
+    tensors and in lse. key_bias ``[B, C, n_k]`` rides in one extra head dimension."""
+    q = torch.cat([q, torch.ones_like(q[..., :1])], -1)
+    k = torch.cat([k, (key_bias / scale).unsqueeze(-1).to(k.dtype)], -1)
+    width = v.shape[-1]
+    v = F.pad(v, (0, q.shape[-1] - width))  # the kernel wants equal head sizes
+    if fused_available(q.device):
+        out, lse = _FlashWithLse.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, is_causal, attn_mask)
+    else:  # materialising fallback on other devices (correct, not memory-linear)
+        scores = scale * (q @ k.transpose(-1, -2))
+        if is_causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), _MASKED)
+        if attn_mask is not None:
+            scores = scores + attn_mask
+        lse = scores.logsumexp(-1)
+        out = (scores - lse[..., None]).exp() @ v
+    return out[..., :width], lse.to(out.dtype)  # the CPU kernel keeps lse in float32 for bf16
+
+
+def _far_left(q, k, v, key_bias, scale, shift, token_mask):
+    """Attention of query i over keys j <= i - shift (plus ``token_mask`` if given)."""
+    n = q.shape[-2]
+    if token_mask is None:
+        # shift keys right by `shift` and use the causal kernel: no n x n mask at all
+        pad = lambda t: F.pad(t, (0, 0, shift, 0))[..., :n, :]  # noqa: E731
+        bias = F.pad(key_bias, (shift, 0), value=_MASKED)[..., :n]
+        return _attention(q, pad(k), pad(v), bias, scale, is_causal=True)
+    allowed = token_mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-shift)
+    mask = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill(~allowed, _MASKED)
+    return _attention(q, k, v, key_bias, scale, attn_mask=mask)
+
+
+def _far_right(q, k, v, key_bias, scale, shift, token_mask):
+    """Attention of query i over keys j >= i + shift: far-left on the reversed sequence."""
+    flip = lambda t: t.flip(-2)  # noqa: E731
+    mask = None if token_mask is None else token_mask.flip(0, 1)
+    out, lse = _far_left(flip(q), flip(k), flip(v), key_bias.flip(-1), scale, shift, mask)
+    return flip(out), lse.flip(-1)
+
+
+def _far_masks(structure: HeadStructure):
+    """Per far side: None (every far token arc allowed: no mask), or a token mask, or
+    False (no far arc at all)."""
+    n, shift, arcs = structure.n, structure.gamma + 1, structure.token_arcs
+    far = torch.ones(n, n, dtype=torch.bool, device=arcs.device)
+    sides = {}
+    for side, region in (("right", far.triu(shift)), ("left", far.tril(-shift))):
+        inside = arcs[region]
+        sides[side] = False if not inside.any() else (None if inside.all() else arcs)
+    return sides
+
+
+def fused(query, key, value, value_rev, scale: float, structure: HeadStructure) -> HeadMessages:
+    B, N, K, C, r = query.shape
+    n, gamma = structure.n, structure.gamma
+    m = N - n
+    dtype = query.dtype
+    arcs, nodes, has_head = structure.arcs, structure.nodes, structure.has_head
+    token_nodes = nodes[:, None, :n]  # [B, 1, n]
+
+    def group_of(offset: int) -> int:
+        return offset - 1 if offset > 0 else gamma - offset
+
+    # 1. scores of every part, per row
+    band = {}  # offset -> [B, C, n] scores of arc (i, i + offset), _MASKED where illegal
+    for offset in [o for o in range(-gamma, gamma + 1) if o and abs(o) < n]:
+        k = group_of(offset)
+        q_k, key_k = _heads(query, k)[..., :n, :], _heads(key, k)[..., :n, :]
+        lo, hi = max(0, -offset), n - max(0, offset)
+        s = scale * (q_k[..., lo:hi, :] * key_k[..., lo + offset : hi + offset, :]).sum(-1)
+        legal = arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)[:, None]  # [B, 1, hi - lo]
+        s = F.pad(s.masked_fill(~legal, _MASKED), (lo, n - hi), value=_MASKED)
+        band[offset] = s
+
+    sides = _far_masks(structure)
+    far = {}
+    for side, attend, k in (("right", _far_right, gamma), ("left", _far_left, 2 * gamma + 1)):
+        if sides[side] is False or n <= gamma + 1:
+            continue
+        key_bias = torch.where(token_nodes, 0.0, _MASKED).to(dtype).expand(B, C, n)
+        q_k, key_k, v_k = (_heads(t, k)[..., :n, :] for t in (query, key, value))
+        out, lse = attend(q_k, key_k, v_k, key_bias, scale, gamma + 1, sides[side])
+        far[side] = (k, out, torch.where(token_nodes, lse, _MASKED))
+
+    if m:
+        kv = structure.virtual_group
+        q_v, key_v = _heads(query, kv), _heads(key, kv)
+        virtual_cols = scale * (q_v[..., :n, :] @ key_v[..., n:, :].transpose(-1, -2))  # [B, C, n, m]
+        virtual_cols = virtual_cols.masked_fill(~arcs[:, None, :n, n:], _MASKED)
+        virtual_rows = scale * (q_v[..., n:, :] @ key_v.transpose(-1, -2))  # [B, C, m, N]
+        virtual_rows = virtual_rows.masked_fill(~arcs[:, None, n:, :], _MASKED)
+
+    # 2. the row log-normaliser: log-sum-exp over the parts, plus the null head
+    null = torch.where(has_head, _MASKED, 0.0).to(dtype)[:, None, :].expand(B, C, N)
+    token_parts = [null[..., :n, None]] + [s[..., None] for s in band.values()]
+    token_parts += [lse[..., None] for (_, _, lse) in far.values()]
+    if m:
+        token_parts.append(virtual_cols)
+    lse_tokens = torch.cat(token_parts, -1).logsumexp(-1)  # [B, C, n]
+    if m:
+        lse_virtual = torch.cat([null[..., n:, None], virtual_rows], -1).logsumexp(-1)
+        lse = torch.cat([lse_tokens, lse_virtual], -1)
+    else:
+        lse = lse_tokens
+
+    # 3. messages
+    forward = [query.new_zeros(B, C, N, r) for _ in range(K)]
+    reverse = [query.new_zeros(B, C, N, r) for _ in range(K)]
+    for offset, s in band.items():
+        k = group_of(offset)
+        p = (s - lse_tokens).exp()  # [B, C, n]: P(i -> i + offset)
+        lo, hi = max(0, -offset), n - max(0, offset)
+        contribution = p[..., lo:hi, None] * _heads(value, k)[..., lo + offset : hi + offset, :]
+        forward[k] = forward[k] + F.pad(contribution, (0, 0, lo, N - hi))
+        # head h = i + offset receives from dependent i = h - offset
+        contribution = p[..., lo:hi, None] * _heads(value_rev, k)[..., lo:hi, :]
+        reverse[k] = reverse[k] + F.pad(contribution, (0, 0, lo + offset, N - hi - offset))
+    for side, (k, out, part_lse) in far.items():
+        weight = (part_lse - lse_tokens).exp()[..., None]
+        forward[k] = forward[k] + F.pad(weight * out, (0, 0, 0, m))
+        # reverse: head i gathers dependents j on the opposite side, biased by -lse_j
+        swap = _far_left if side == "right" else _far_right
+        mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
+        key_bias = torch.where(token_nodes, -lse_tokens, _MASKED)
+        q_k, key_k, v_rev = (_heads(t, k)[..., :n, :] for t in (key, query, value_rev))
+        out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, gamma + 1, mask)
+        reverse[k] = reverse[k] + F.pad(lse_rev.exp()[..., None] * out_rev, (0, 0, 0, m))
+    if m:
+        p_cols = (virtual_cols - lse_tokens[..., None]).exp()  # [B, C, n, m]
+        p_rows = (virtual_rows - lse_virtual[..., None]).exp()  # [B, C, m, N]
+        v_v, v_rev_v = _heads(value, kv), _heads(value_rev, kv)
+        forward[kv] = forward[kv] + torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2)
+        from_rows = p_rows.transpose(-1, -2) @ v_rev_v[..., n:, :]  # [B, C, N, r]
+        from_cols = p_cols.transpose(-1, -2) @ v_rev_v[..., :n, :]  # [B, C, m, r]
+        reverse[kv] = reverse[kv] + from_rows + F.pad(from_cols, (0, 0, n, 0))
+    lse = torch.where(has_head[:, None], lse, 0.0)
+    return HeadMessages(_unheads(forward), _unheads(reverse), lse, query=query, key=key)
+
+
+def log_normaliser(query, key, scale: float, structure: HeadStructure, kernel: str) -> torch.Tensor:
+    """``[B, C, N]`` row log-normalisers only (0 on rows with no legal head)."""
+    if kernel == "naive":
+        return _softmax_with_null(naive_logits(query, key, scale, structure), structure.has_head)[1]
+    return fused(query, key, key, query, scale, structure).lse

@@ -1,0 +1,362 @@
+"""Unrolled mean-field inference on a ``graphs.CRF``: the Probabilistic Transformer.
+
+q(Z, H, G) = prod_i q(Z_i) prod_{c,i} q(H_i^c) prod_i q(G_i). One iteration is one
+weight-tied transformer layer: the head update is attention (a softmax over j of
+``(q_i U)(q_j V)^T``), the label update collects the message of the head i chose and
+the messages of every j that chose i (the transposed attention), plus the global
+(FFN-like) message, and applies a softmax.
+
+Every multiplier is a named scalar (``MessageWeights`` times, with ``mup=True``,
+``MupScales``). With the default weights ("crf", all 1) and no μP, the updates are
+the CRF's own mean-field updates: the sequential schedule is coordinate ascent and
+never decreases the ELBO. ``weights="reference"`` reproduces the PT reference code
+(head and topic logits times d; pt-spec.md §2.2).
+
+Schedules:
+    async       the reference order: per iteration all heads (from the current labels),
+                then all labels (from the new heads).
+    parallel    heads and labels both from the previous iteration (Jacobi).
+    sequential  coordinate ascent, node by node: before each label update every
+                head and global marginal is refreshed. Slow (O(N) kernel calls per
+                iteration), naive kernel only; the ELBO after every step is in
+                ``trace["elbo_steps"]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference import head_kernels
+from inference.head_kernels import HeadStructure
+from inference.posterior import Posterior
+
+__all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
+
+SCHEDULES = ("async", "parallel", "sequential")
+KERNELS = ("auto", "naive", "fused")
+# perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
+_AUTO_FUSED_MIN_NODES = 129
+
+
+@dataclass(frozen=True)
+class MessageWeights:
+    """The six information weights (pt-spec.md §4.2): one multiplier per message that
+    enters a softmax. All 1 is the CRF's own mean field."""
+
+    unary: float = 1.0  # unary potential -> label logits
+    head: float = 1.0  # the head i chose -> label logits of i
+    dependents: float = 1.0  # every j that chose i -> label logits of i (reverse direction)
+    topic: float = 1.0  # global variable -> label logits
+    attention: float = 1.0  # ternary -> head logits
+    topic_logits: float = 1.0  # binary -> global-variable logits
+
+    @classmethod
+    def reference(cls, labels: int) -> MessageWeights:
+        """The PT reference code: lambda_H = 1/d, i.e. head and topic logits times d."""
+        return cls(attention=float(labels), topic_logits=float(labels))
+
+    @classmethod
+    def parse(cls, value, labels: int) -> MessageWeights:
+        if value is None or value == "crf":
+            return cls()
+        if value == "reference":
+            return cls.reference(labels)
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"unknown message weights {sorted(unknown)}; allowed: {[f.name for f in fields(cls)]}")
+            return cls(**{k: float(v) for k, v in value.items()})
+        raise ValueError(f"weights must be 'crf', 'reference', a dict or MessageWeights, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MupScales:
+    """μP's dimension factors (pt-spec.md §4.2, reconstructed): temperature tau = d / r on
+    the label distribution; head logits at 1/r in quasi-distribution units (d q_z), i.e.
+    ``tau * d`` on probabilities; label messages in quasi-distribution units."""
+
+    temperature: float
+    attention: float  # head logits
+    ternary_message: float  # head and dependents messages to the labels
+    topic_message: float  # global message to the labels
+    topic_logits: float  # global-variable logits
+
+    @classmethod
+    def reconstruction(cls, crf) -> MupScales:
+        d, r, m = crf.labels, crf.rank, max(crf.global_labels, 1)
+        tau = d / r
+        return cls(temperature=tau, attention=tau * d, ternary_message=float(d), topic_message=float(m),
+                   topic_logits=tau * m)
+
+
+def _pair(name: str, value, low: float, high: float, low_open: bool = False) -> tuple[float, float]:
+    z, h = (value, value) if isinstance(value, int | float) else tuple(value)
+    for part, v in (("labels", z), ("heads", h)):
+        if not isinstance(v, int | float) or not (low < v if low_open else low <= v) or not v <= high:
+            bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+            raise ValueError(f"{name} for {part} must lie in {bound}, got {v!r}")
+    return float(z), float(h)
+
+
+class MeanField(nn.Module):
+    """Mean-field engine compiled from a CRF (it reads the CRF's potentials and topology).
+
+    Args:
+        crf: a ``graphs.CRF`` (registered as a submodule: its parameters train).
+        iterations: T, the number of unrolled iterations (layers).
+        schedule: "async" (reference order), "parallel" or "sequential".
+        mup: multiply in ``mup_scales`` (default ``MupScales.reconstruction(crf)``).
+        kernel: "naive" (materialised head marginals), "fused" (never materialised;
+            no damping, step size or dropout on heads), or "auto".
+        dropout: dropout on head marginals and on label logits (reference placement).
+        damping: beta in [0, 1): logits <- beta * previous + (1 - beta) * new; a float
+            or a (labels, heads) pair.
+        step_size: alpha in (0, 1]: marginals <- (1 - alpha) * previous + alpha * new.
+        weights: "crf" (all 1), "reference" (PT code), a dict or ``MessageWeights``.
+    """
+
+    def __init__(
+        self,
+        crf,
+        iterations: int = 4,
+        schedule: str = "async",
+        mup: bool = False,
+        kernel: str = "auto",
+        dropout: float = 0.0,
+        damping=0.0,
+        step_size=1.0,
+        weights=None,
+        mup_scales: MupScales | None = None,
+    ):
+        super().__init__()
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; allowed: {list(SCHEDULES)}")
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}; allowed: {list(KERNELS)}")
+        if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout!r}")
+        self.crf = crf
+        self.iterations, self.schedule, self.mup, self.kernel = iterations, schedule, bool(mup), kernel
+        self.dropout = float(dropout)
+        self.damping = _pair("damping", damping, 0.0, 0.999999)
+        self.step_size = _pair("step_size", step_size, 0.0, 1.0, low_open=True)
+        self.weights = MessageWeights.parse(weights, crf.labels)
+        self.mup_scales = mup_scales or MupScales.reconstruction(crf)
+        heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential"
+        if kernel == "fused" and heads_need_naive:
+            raise ValueError("kernel='fused' supports no head damping/step size and no sequential schedule; "
+                             "use kernel='naive'")
+
+    def extra_repr(self) -> str:
+        return f"iterations={self.iterations}, schedule={self.schedule!r}, mup={self.mup}, kernel={self.kernel!r}"
+
+    # ---- configuration --------------------------------------------------------------
+
+    def scales(self) -> dict[str, float]:
+        """The effective multiplier of every message (weights times μP factors)."""
+        w, mu = self.weights, self.mup_scales
+        factor = (lambda x: x) if self.mup else (lambda x: 1.0)
+        return {
+            "unary": w.unary,
+            "head": w.head * factor(mu.ternary_message),
+            "dependents": w.dependents * factor(mu.ternary_message),
+            "topic": w.topic * factor(mu.topic_message),
+            "attention": w.attention * factor(mu.attention),
+            "topic_logits": w.topic_logits * factor(mu.topic_logits),
+        }
+
+    def resolved_kernel(self, num_nodes: int, device: torch.device) -> str:
+        if self.kernel != "auto":
+            if self.kernel == "fused" and self.dropout and self.training:
+                raise ValueError("kernel='fused' cannot apply dropout to head marginals; use kernel='naive' "
+                                 "or dropout=0 (or eval mode)")
+            return self.kernel
+        needs_naive = (
+            (self.dropout and self.training)
+            or self.damping[1] > 0
+            or self.step_size[1] < 1
+            or self.schedule == "sequential"
+            or not head_kernels.fused_available(device)
+            or num_nodes < _AUTO_FUSED_MIN_NODES
+        )
+        return "naive" if needs_naive else "fused"
+
+    # ---- building blocks -------------------------------------------------------------
+
+    def structure(self, tokens, mask):
+        crf = self.crf
+        tokens, mask = crf.check_inputs(tokens, mask)
+        crf.check_parameters()
+        n = tokens.shape[1]
+        structure = HeadStructure(
+            n=n,
+            gamma=crf.gamma,
+            groups=crf.distance_groups(n).to(tokens.device),
+            arcs=crf.arc_mask(mask),
+            nodes=crf.node_mask(mask),
+            token_arcs=crf.topology.mask(n)[:n, :n].to(tokens.device),
+        )
+        return tokens, mask, structure
+
+    def project(self, q_z):
+        """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals."""
+        query = torch.einsum("bnd,kcdr->bnkcr", q_z, self.crf.ternary_u)
+        key = torch.einsum("bnd,kcdr->bnkcr", q_z, self.crf.ternary_v)
+        return query, key
+
+    def heads(self, query, key, value, value_rev, structure, kernel, previous=None):
+        scale = self.scales()["attention"]
+        if kernel == "fused":
+            return head_kernels.fused(query, key, value, value_rev, scale, structure)
+        return head_kernels.naive(
+            query, key, value, value_rev, scale, structure,
+            damping=self.damping[1],
+            previous_logits=None if previous is None else previous.logits,
+            step_size=self.step_size[1],
+            previous_probs=None if previous is None else previous.probs,
+            dropout=self.dropout,
+            training=self.training,
+        )
+
+    def topic(self, q_z, mask):
+        """Global-variable marginals ``[B, n, g]`` and their message to the labels ``[B, N, d]``."""
+        n = mask.shape[1]
+        binary = self.crf.binary
+        q_g = (self.scales()["topic_logits"] * q_z[:, :n] @ binary.T).softmax(-1) * mask[..., None]
+        dropped = F.dropout(q_g, self.dropout, self.training) if self.dropout else q_g
+        message = F.pad(dropped @ binary, (0, 0, 0, q_z.shape[1] - n))
+        return q_g, message
+
+    def label_logits(self, unary, messages, topic_message):
+        s = self.scales()
+        head = torch.einsum("bnkcr,kcdr->bnd", messages.forward, self.crf.ternary_u)
+        dependents = torch.einsum("bnkcr,kcdr->bnd", messages.reverse, self.crf.ternary_v)
+        logits = s["unary"] * unary + s["head"] * head + s["dependents"] * dependents
+        if topic_message is not None:
+            logits = logits + s["topic"] * topic_message
+        return logits
+
+    # ---- the bound ---------------------------------------------------------------------
+
+    def elbo(self, logits, unary, mask, structure, kernel="naive"):
+        """``[B]`` ELBO of q_z = softmax(logits) with the head and global marginals at their
+        optimum given q_z, under the CRF's own potentials (any weights or μP): a member
+        of the mean-field family, so always <= log Z."""
+        q_z = logits.softmax(-1) * structure.nodes[..., None]
+        query, key = self.project(q_z)
+        lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel)  # [B, C, N]
+        value = (q_z * unary).sum((1, 2)) - torch.special.xlogy(q_z, q_z).sum((1, 2)) + lse.sum((1, 2))
+        if self.crf.global_labels:
+            n = mask.shape[1]
+            value = value + ((q_z[:, :n] @ self.crf.binary.T).logsumexp(-1) * mask).sum(-1)
+        return value
+
+    def full_elbo(self, q_z, q_h, q_g, unary, mask, structure):
+        """``[B]`` ELBO of explicit marginals (q_h materialised): expected log-potential
+        plus entropies."""
+        query, key = self.project(q_z)
+        potentials = head_kernels.naive_logits(query, key, 1.0, structure)
+        expected = torch.where(structure.arcs[:, None], potentials, 0.0)
+        value = (q_z * unary).sum((1, 2)) + (q_h * expected).sum((1, 2, 3))
+        value = value - torch.special.xlogy(q_z, q_z).sum((1, 2)) - torch.special.xlogy(q_h, q_h).sum((1, 2, 3))
+        if q_g is not None:
+            n = mask.shape[1]
+            value = value + (q_g * (q_z[:, :n] @ self.crf.binary.T)).sum((1, 2))
+            value = value - torch.special.xlogy(q_g, q_g).sum((1, 2))
+        return value
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def forward(self, tokens, mask=None) -> Posterior:
+        tokens, mask, structure = self.structure(tokens, mask)
+        kernel = self.resolved_kernel(structure.nodes.shape[1], tokens.device)
+        unary = self.crf.unary_table(tokens, mask)
+        run = self._sequential if self.schedule == "sequential" else self._unrolled
+        logits, last, history, extra = run(unary, mask, structure, kernel)
+        logits = logits * structure.nodes[..., None]
+        q_z = logits.softmax(-1) * structure.nodes[..., None]
+        q_g = self.topic(q_z, mask)[0] if self.crf.global_labels else None
+
+        def head_marginals():
+            if last.probs is not None:
+                return last.probs
+            scale = self.scales()["attention"]
+            logits_h = head_kernels.naive_logits(last.query, last.key, scale, structure)
+            return head_kernels._softmax_with_null(logits_h, structure.has_head)[0]
+
+        def trace():
+            per_iteration = torch.stack([self.elbo(x, unary, mask, structure, kernel) for x in history])
+            return {"elbo": per_iteration, **extra}
+
+        return Posterior(
+            z=q_z,
+            h=head_marginals,
+            g=q_g,
+            elbo=lambda: self.elbo(logits, unary, mask, structure, kernel),
+            logits=logits,
+            trace=trace,
+        )
+
+    def _unrolled(self, unary, mask, structure, kernel):
+        """async and parallel schedules: the transformer-like computation."""
+        beta_z, _ = self.damping
+        alpha_z, _ = self.step_size
+        nodes = structure.nodes[..., None]
+        logits, used_q, heads = unary, None, None
+        lagged = None  # parallel: projections (and labels) of the previous iteration
+        history, deltas = [], []
+        for _ in range(self.iterations):
+            q_z = logits.softmax(-1)
+            if used_q is not None and alpha_z != 1.0:
+                q_z = (1 - alpha_z) * used_q + alpha_z * q_z
+            used_q = q_z
+            q_z = q_z * nodes
+            query, key = self.project(q_z)
+            if self.schedule == "async":
+                source = (query, key, q_z)
+            else:  # zero projections and labels give uniform heads and globals at t = 0
+                source = lagged or (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(q_z))
+                lagged = (query, key, q_z)
+            heads = self.heads(source[0], source[1], key, query, structure, kernel, heads)
+            topic_message = self.topic(source[2], mask)[1] if self.crf.global_labels else None
+            new = self.label_logits(unary, heads, topic_message)
+            logits = beta_z * logits + (1 - beta_z) * new if beta_z else new
+            if self.dropout:
+                logits = F.dropout(logits, self.dropout, self.training)
+            deltas.append((logits.softmax(-1) - used_q).abs().amax((1, 2)))
+            history.append(logits)
+        return logits, heads, history, {"max_delta": torch.stack(deltas).detach()}
+
+    def _sequential(self, unary, mask, structure, kernel):
+        """Coordinate ascent: refresh every head and global marginal, then one node's labels."""
+        nodes = structure.nodes
+        logits = unary.clone()
+        q_z = logits.softmax(-1) * nodes[..., None]
+        history, steps, deltas = [], [], []
+        heads = None
+        for _ in range(self.iterations):
+            start = q_z
+            for i in range(nodes.shape[1]):
+                if not nodes[:, i].any():
+                    continue
+                query, key = self.project(q_z)
+                heads = self.heads(query, key, key, query, structure, "naive")
+                q_g, topic_message = self.topic(q_z, mask) if self.crf.global_labels else (None, None)
+                steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure))
+                row = self.label_logits(unary, heads, topic_message)[:, i]
+                logits = logits.clone()
+                logits[:, i] = torch.where(nodes[:, i, None], row, logits[:, i])
+                q_z = logits.softmax(-1) * nodes[..., None]
+                steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure))
+            history.append(logits)
+            deltas.append((q_z - start).abs().amax((1, 2)))
+        extra = {"elbo_steps": torch.stack(steps).detach(), "max_delta": torch.stack(deltas).detach()}
+        return logits, heads, history, extra

@@ -1,0 +1,3 @@
+from probformer.cli import main
+
+raise SystemExit(main())
