@@ -16,6 +16,7 @@ padded position simply loses its node (see ``graphs.CRF``).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,12 +42,16 @@ class Topology:
     """An arc set over ``n`` tokens plus a fixed number of virtual nodes.
 
     ``virtual`` names the virtual nodes (in order); ``build(n)`` returns the
-    ``[n + len(virtual), n + len(virtual)]`` boolean mask.
+    ``[n + len(virtual), n + len(virtual)]`` boolean mask. ``band = (left, right)``
+    says, when it is known symbolically, that the token-token arcs are exactly the
+    offsets ``-left <= j - i <= right`` (``math.inf`` for unbounded); None means an
+    arbitrary pattern. Engines use it to pick mask-free kernels.
     """
 
     name: str
     virtual: tuple[str, ...]
     build: Callable[[int], torch.Tensor]
+    band: tuple[float, float] | None = None
 
     @property
     def extra_nodes(self) -> int:
@@ -88,7 +93,10 @@ class Topology:
             out[b_index[:, None], b_index[None, :]] |= b
             return out
 
-        return Topology(f"{left.name} | {right.name}", left.virtual + right.virtual, build)
+        band = None
+        if left.band is not None and right.band is not None:  # nested bands: the union is a band
+            band = (max(left.band[0], right.band[0]), max(left.band[1], right.band[1]))
+        return Topology(f"{left.name} | {right.name}", left.virtual + right.virtual, build, band)
 
     def __repr__(self) -> str:
         return f"Topology({self.name})"
@@ -114,18 +122,18 @@ def _offsets(n: int) -> torch.Tensor:
 
 def full() -> Topology:
     """Every token may choose every other token (the PT / BERT encoder)."""
-    return Topology("full()", (), lambda n: torch.ones(n, n, dtype=torch.bool))
+    return Topology("full()", (), lambda n: torch.ones(n, n, dtype=torch.bool), (math.inf, math.inf))
 
 
 def causal() -> Topology:
     """Token i may choose only earlier tokens j < i (a decoder). Token 0 has no head."""
-    return Topology("causal()", (), lambda n: _offsets(n) < 0)
+    return Topology("causal()", (), lambda n: _offsets(n) < 0, (math.inf, 0))
 
 
 def window(w: int) -> Topology:
     """Token i may choose tokens j with 0 < |i - j| <= w (local attention, no wrap-around)."""
     w = _check_positive("window width w", w)
-    return Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w)
+    return Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w, (w, w))
 
 
 def star(wrap: bool = False) -> Topology:
@@ -144,7 +152,7 @@ def star(wrap: bool = False) -> Topology:
         out[n, :n] = True  # relay -> tokens
         return out
 
-    return Topology(f"star(wrap={wrap})", ("relay",), build)
+    return Topology(f"star(wrap={wrap})", ("relay",), build, None if wrap else (1, 1))
 
 
 def clusters(k: int) -> Topology:
@@ -166,7 +174,7 @@ def clusters(k: int) -> Topology:
         out[n:, n:] = True
         return out
 
-    return Topology(f"clusters({k})", tuple(f"cluster{c}" for c in range(k)), build)
+    return Topology(f"clusters({k})", tuple(f"cluster{c}" for c in range(k)), build, (0, 0))
 
 
 def segments(length: int) -> Topology:
@@ -237,6 +245,4 @@ def _parse_value(text: str, spec: str):
     try:
         return int(text)
     except ValueError:
-        raise ValueError(
-            f"topology arguments must be integers or True/False; got {text!r} in {spec!r}"
-        ) from None
+        raise ValueError(f"topology arguments must be integers or True/False; got {text!r} in {spec!r}") from None

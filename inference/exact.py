@@ -13,11 +13,12 @@ refuses inputs above ``max_configurations`` label configurations per sentence.
 
 from __future__ import annotations
 
+import math
+
 import opt_einsum
 import torch
 from pyro import poutine
 from pyro.infer import config_enumerate
-from pyro.ops.contract import einsum as contract_many
 from pyro.ops.einsum import contract as contract_one
 from pyro.poutine.util import site_is_subsample
 
@@ -45,27 +46,35 @@ class Exact:
     def log_partition(self, tokens, mask=None) -> torch.Tensor:
         """``[B]`` exact log Z of each sentence."""
         factors, _, letters = self._factors(tokens, mask)
-        equation = ",".join(letters) + "->" + _BATCH
-        return contract_one(equation, *factors, backend=_LOG_BACKEND)
+        return _eliminate(factors, letters)
 
     def marginals(self, tokens, mask=None) -> Posterior:
-        """Exact marginals of every label, head and global variable, and log Z."""
+        """Exact marginals of every label, head and global variable, and log Z.
+
+        A zero "probe" factor is added on every site's own dimension; the gradient of
+        log Z with respect to it is that site's marginal.
+        """
         tokens, mask = self.crf.check_inputs(tokens, mask)
         factors, sites, letters = self._factors(tokens, mask)
-        outputs = [_BATCH + sites[name] for name in sites]
-        equation = ",".join(letters) + "->" + ",".join(outputs)
-        unnormalised = contract_many(
-            equation, *factors, plates=_BATCH, backend=_LOG_BACKEND, modulo_total=True
-        )
-        probs = {name: (t - t.logsumexp(-1, keepdim=True)).exp() for name, t in zip(sites, unnormalised)}
+        B = tokens.shape[0]
+        with torch.enable_grad():
+            factors = [f.detach() for f in factors]
+            probes = {}
+            for name, letter in sites.items():
+                size = next(f.shape[ls.index(letter)] for f, ls in zip(factors, letters) if letter in ls)
+                probes[name] = torch.zeros(
+                    size, B, dtype=factors[0].dtype, device=factors[0].device, requires_grad=True
+                )
+            log_z = _eliminate(factors + list(probes.values()), letters + [sites[k] + _BATCH for k in probes])
+            grads = torch.autograd.grad(log_z.sum(), list(probes.values()))
+        probs = {name: grad.T for name, grad in zip(probes, grads)}  # [B, size]
 
-        B, n = tokens.shape
+        n = tokens.shape[1]
         N, C = self.crf.topology.num_nodes(n), self.crf.channels
         nodes = self.crf.node_mask(mask)
         has_head = self.crf.arc_mask(mask).any(-1)  # [B, N]
-        dtype = factors[0].dtype
         z = torch.stack([probs[f"z_{i}"] for i in range(N)], dim=1) * nodes[..., None]
-        h = torch.zeros(B, C, N, N, dtype=dtype, device=z.device)
+        h = z.new_zeros(B, C, N, N)
         for c in range(C):
             for i in range(N):
                 if f"h_{c}_{i}" in probs:
@@ -73,7 +82,7 @@ class Exact:
         g = None
         if self.crf.global_labels:
             g = torch.stack([probs[f"g_{i}"] for i in range(n)], dim=1) * mask[..., None]
-        return Posterior(z=z, h=h, g=g, log_partition=self.log_partition(tokens, mask))
+        return Posterior(z=z, h=h, g=g, log_partition=log_z.detach())
 
     def _factors(self, tokens, mask):
         """Trace the enumerated model; return its log-factors with einsum letters.
@@ -97,29 +106,50 @@ class Exact:
         trace = poutine.trace(model).get_trace(tokens, mask)
         trace.compute_log_prob()
 
-        log_probs, sites = [], {}
+        factors, letters, sites = [], [], {}
         for name, site in trace.nodes.items():
             if site["type"] != "sample" or site_is_subsample(site):
                 continue
             log_prob = site["log_prob"]
             log_prob = log_prob.expand(*log_prob.shape[:-1], B) if log_prob.dim() else log_prob.expand(B)
+            own = None
             if not site["is_observed"]:
-                sites[name] = -log_prob.dim()  # its enumeration dim is the leftmost
-            log_probs.append(log_prob)
-        enum_dims = set(sites.values())
-
-        size = {k: max(t.shape[k] for t in log_probs if t.dim() >= -k) for k in enum_dims}
-        factors, letters = [], []
-        for log_prob in log_probs:
-            keep = [k for k in range(-log_prob.dim(), -1) if log_prob.shape[k] > 1 or k in enum_dims]
+                own = sites[name] = -log_prob.dim()  # its enumeration dim is the leftmost
+            # size-1 dims are broadcasts, except a site's own dim when it has one value
+            keep = [k for k in range(-log_prob.dim(), -1) if log_prob.shape[k] > 1 or k == own]
             drop = tuple(k for k in range(-log_prob.dim(), -1) if k not in keep)
-            full = [
-                size[k] if k in enum_dims else s for k, s in zip(range(-log_prob.dim(), 0), log_prob.shape)
-            ]
-            factors.append(log_prob.expand(full).squeeze(drop))
+            factors.append(log_prob.squeeze(drop))
             letters.append("".join(_letter(k) for k in keep) + _BATCH)
         sites = {name: _letter(k) for name, k in sites.items()}
         return factors, sites, letters
+
+
+def _eliminate(factors: list[torch.Tensor], letters: list[str]) -> torch.Tensor:
+    """Sum out every enumerated variable in log space, one bucket at a time, keeping
+    the batch plate: ``[B]``. Greedy order: the variable whose bucket yields the
+    smallest factor goes first (a head variable couples its node's label with every
+    label it may attend to; summing it out early keeps factors small)."""
+    factors, letters = list(factors), list(letters)
+    size = {}
+    for f, ls in zip(factors, letters):
+        size.update(zip(ls, f.shape))
+    remaining = set("".join(letters)) - {_BATCH}
+
+    def cost(letter):
+        joined = set().union(*(ls for ls in letters if letter in ls)) - {letter}
+        return math.prod(size[x] for x in joined)
+
+    while remaining:
+        letter = min(sorted(remaining), key=cost)
+        remaining.discard(letter)
+        bucket = [i for i, ls in enumerate(letters) if letter in ls]
+        out = "".join(sorted(set().union(*(letters[i] for i in bucket)) - {letter} - {_BATCH})) + _BATCH
+        equation = ",".join(letters[i] for i in bucket) + "->" + out
+        new = contract_one(equation, *(factors[i] for i in bucket), backend=_LOG_BACKEND)
+        factors = [f for i, f in enumerate(factors) if i not in bucket] + [new]
+        letters = [ls for i, ls in enumerate(letters) if i not in bucket] + [out]
+    equation = ",".join(letters) + "->" + _BATCH
+    return contract_one(equation, *factors, backend=_LOG_BACKEND)
 
 
 def _letter(dim: int) -> str:

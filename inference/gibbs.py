@@ -59,9 +59,7 @@ class Gibbs:
         seed: the JAX PRNG seed.
     """
 
-    def __init__(
-        self, crf, num_samples: int = 2000, num_warmup: int = 500, num_chains: int = 4, seed: int = 0
-    ):
+    def __init__(self, crf, num_samples: int = 2000, num_warmup: int = 500, num_chains: int = 4, seed: int = 0):
         for name, value, minimum in (
             ("num_samples", num_samples, 1),
             ("num_warmup", num_warmup, 0),
@@ -165,11 +163,7 @@ class Gibbs:
         for name, x in values.items():
             moving = x.std(axis=(0, 1)) > 1e-12
             with np.errstate(invalid="ignore", divide="ignore"):  # chains stuck on one value
-                size = (
-                    np.where(moving, arviz_interop.ess(x), total)
-                    if moving.any()
-                    else np.full(x.shape[2:], total)
-                )
+                size = np.where(moving, arviz_interop.ess(x), total) if moving.any() else np.full(x.shape[2:], total)
                 if moving.any() and self.num_chains > 1:
                     rhats.append(np.nanmax(np.where(moving, arviz_interop.rhat(x), np.nan)))
             means[name] = torch.from_numpy(x.mean(axis=(0, 1)))

@@ -48,6 +48,7 @@ class HeadStructure:
     arcs: torch.Tensor  # [B, N, N] bool: topology & existing nodes
     nodes: torch.Tensor  # [B, N] bool
     token_arcs: torch.Tensor  # [n, n] bool: the topology alone, between tokens
+    band: tuple[float, float] | None = None  # the topology's token offsets, if a band
 
     @property
     def has_head(self) -> torch.Tensor:
@@ -222,14 +223,15 @@ def _far_right(q, k, v, key_bias, scale, shift, token_mask):
 
 
 def _far_masks(structure: HeadStructure):
-    """Per far side: None (every far token arc allowed: no mask), or a token mask, or
-    False (no far arc at all)."""
-    n, shift, arcs = structure.n, structure.gamma + 1, structure.token_arcs
-    far = torch.ones(n, n, dtype=torch.bool, device=arcs.device)
+    """Per far side: None (every far token arc allowed: no mask), a token mask, or
+    False (no far arc at all). Decided from the topology's band, in plain Python, so
+    that compiled graphs see no data-dependent branch."""
+    shift = structure.gamma + 1
+    if structure.band is None:
+        return {"right": structure.token_arcs, "left": structure.token_arcs}
     sides = {}
-    for side, region in (("right", far.triu(shift)), ("left", far.tril(-shift))):
-        inside = arcs[region]
-        sides[side] = False if not inside.any() else (None if inside.all() else arcs)
+    for side, reach in zip(("left", "right"), structure.band):
+        sides[side] = False if reach < shift else (None if reach == math.inf else structure.token_arcs)
     return sides
 
 

@@ -91,8 +91,18 @@ class MupScales:
     def reconstruction(cls, crf) -> MupScales:
         d, r, m = crf.labels, crf.rank, max(crf.global_labels, 1)
         tau = d / r
-        return cls(temperature=tau, attention=tau * d, ternary_message=float(d), topic_message=float(m),
-                   topic_logits=tau * m)
+        return cls(
+            temperature=tau,
+            attention=tau * d,
+            ternary_message=float(d),
+            topic_message=float(m),
+            topic_logits=tau * m,
+        )
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    """Elementwise -p log p with a finite gradient at p = 0 (xlogy's is not)."""
+    return -p * torch.where(p > 0, p, 1.0).log()
 
 
 def _pair(name: str, value, low: float, high: float, low_open: bool = False) -> tuple[float, float]:
@@ -152,8 +162,9 @@ class MeanField(nn.Module):
         self.mup_scales = mup_scales or MupScales.reconstruction(crf)
         heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential"
         if kernel == "fused" and heads_need_naive:
-            raise ValueError("kernel='fused' supports no head damping/step size and no sequential schedule; "
-                             "use kernel='naive'")
+            raise ValueError(
+                "kernel='fused' supports no head damping/step size and no sequential schedule; use kernel='naive'"
+            )
 
     def extra_repr(self) -> str:
         return f"iterations={self.iterations}, schedule={self.schedule!r}, mup={self.mup}, kernel={self.kernel!r}"
@@ -176,8 +187,10 @@ class MeanField(nn.Module):
     def resolved_kernel(self, num_nodes: int, device: torch.device) -> str:
         if self.kernel != "auto":
             if self.kernel == "fused" and self.dropout and self.training:
-                raise ValueError("kernel='fused' cannot apply dropout to head marginals; use kernel='naive' "
-                                 "or dropout=0 (or eval mode)")
+                raise ValueError(
+                    "kernel='fused' cannot apply dropout to head marginals; use kernel='naive' "
+                    "or dropout=0 (or eval mode)"
+                )
             return self.kernel
         needs_naive = (
             (self.dropout and self.training)
@@ -203,6 +216,7 @@ class MeanField(nn.Module):
             arcs=crf.arc_mask(mask),
             nodes=crf.node_mask(mask),
             token_arcs=crf.topology.mask(n)[:n, :n].to(tokens.device),
+            band=crf.topology.band,
         )
         return tokens, mask, structure
 
@@ -217,7 +231,12 @@ class MeanField(nn.Module):
         if kernel == "fused":
             return head_kernels.fused(query, key, value, value_rev, scale, structure)
         return head_kernels.naive(
-            query, key, value, value_rev, scale, structure,
+            query,
+            key,
+            value,
+            value_rev,
+            scale,
+            structure,
             damping=self.damping[1],
             previous_logits=None if previous is None else previous.logits,
             step_size=self.step_size[1],
@@ -250,10 +269,13 @@ class MeanField(nn.Module):
         """``[B]`` ELBO of q_z = softmax(logits) with the head and global marginals at their
         optimum given q_z, under the CRF's own potentials (any weights or μP): a member
         of the mean-field family, so always <= log Z."""
-        q_z = logits.softmax(-1) * structure.nodes[..., None]
+        nodes = structure.nodes[..., None]
+        log_q = logits.log_softmax(-1)
+        q_z = log_q.exp() * nodes
         query, key = self.project(q_z)
         lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel)  # [B, C, N]
-        value = (q_z * unary).sum((1, 2)) - torch.special.xlogy(q_z, q_z).sum((1, 2)) + lse.sum((1, 2))
+        entropy = -(q_z * log_q).sum((1, 2))  # log_softmax keeps the gradient finite at q = 0
+        value = (q_z * unary).sum((1, 2)) + entropy + lse.sum((1, 2))
         if self.crf.global_labels:
             n = mask.shape[1]
             value = value + ((q_z[:, :n] @ self.crf.binary.T).logsumexp(-1) * mask).sum(-1)
@@ -266,11 +288,11 @@ class MeanField(nn.Module):
         potentials = head_kernels.naive_logits(query, key, 1.0, structure)
         expected = torch.where(structure.arcs[:, None], potentials, 0.0)
         value = (q_z * unary).sum((1, 2)) + (q_h * expected).sum((1, 2, 3))
-        value = value - torch.special.xlogy(q_z, q_z).sum((1, 2)) - torch.special.xlogy(q_h, q_h).sum((1, 2, 3))
+        value = value + _entropy(q_z).sum((1, 2)) + _entropy(q_h).sum((1, 2, 3))
         if q_g is not None:
             n = mask.shape[1]
             value = value + (q_g * (q_z[:, :n] @ self.crf.binary.T)).sum((1, 2))
-            value = value - torch.special.xlogy(q_g, q_g).sum((1, 2))
+            value = value + _entropy(q_g).sum((1, 2))
         return value
 
     # ---- forward ----------------------------------------------------------------------

@@ -103,9 +103,7 @@ def full_enumeration_log_z(crf, tokens_row, mask_row):
         for hv in itertools.product(*[heads[i] for (_, i) in head_vars]):
             for gv in itertools.product(range(G), repeat=len(real) if G else 0):
                 s = sum(S[tokens_row[i], z[i]].item() for i in real)
-                s += sum(
-                    T[group_of(i, j, n, crf.gamma), c, z[i], z[j]].item() for (c, i), j in zip(head_vars, hv)
-                )
+                s += sum(T[group_of(i, j, n, crf.gamma), c, z[i], z[j]].item() for (c, i), j in zip(head_vars, hv))
                 s += sum(Bm[m, z[i]].item() for i, m in zip(real, gv)) if G else 0.0
                 terms.append(s)
     return torch.tensor(terms, dtype=torch.float64).logsumexp(0).item()
@@ -127,3 +125,57 @@ def log_potential(crf, tokens_row, mask_row, z, h, g=None):
     if g is not None:
         s += sum(Bm[g[i], z[i]].item() for i in range(n) if mask_row[i])
     return s
+
+
+def _entropy(p):
+    return -torch.special.xlogy(p, p).sum().item()
+
+
+def mean_field_elbo(crf, tokens_row, mask_row, q_z):
+    """ELBO of labels q_z [N, d] with heads and globals at their optimum given q_z:
+    E[unary] + H(q_z) + sum_{c,i} log sum_j exp(q_i T q_j) + sum_i log sum_m exp(B q_i)."""
+    n = len(tokens_row)
+    S, T, Bm = _tables(crf)
+    heads, exists = arcs_of(crf, n, mask_row)
+    q = q_z.double()
+    value = sum((q[i] * S[tokens_row[i]]).sum().item() for i in range(n) if mask_row[i])
+    value += sum(_entropy(q[i]) for i in range(len(exists)) if exists[i])
+    for c in range(crf.channels):
+        for i, legal in enumerate(heads):
+            if legal:
+                scores = torch.stack([q[i] @ T[group_of(i, j, n, crf.gamma), c] @ q[j] for j in legal])
+                value += scores.logsumexp(0).item()
+    if Bm is not None:
+        value += sum((Bm @ q[i]).logsumexp(0).item() for i in range(n) if mask_row[i])
+    return value
+
+
+def mean_field_update(crf, tokens_row, mask_row, q_z):
+    """One exact mean-field update of every label from q_z [N, d] (heads and globals at
+    their optimum given q_z): returns the new label marginals [N, d] (zero rows for padding)."""
+    n = len(tokens_row)
+    S, T, Bm = _tables(crf)
+    heads, exists = arcs_of(crf, n, mask_row)
+    N, d = q_z.shape
+    q = q_z.double()
+    q_h = {}
+    for c in range(crf.channels):
+        for i, legal in enumerate(heads):
+            if legal:
+                scores = torch.stack([q[i] @ T[group_of(i, j, n, crf.gamma), c] @ q[j] for j in legal])
+                q_h[c, i] = dict(zip(legal, scores.softmax(0)))
+    new = torch.zeros(N, d, dtype=torch.float64)
+    for i in range(N):
+        if not exists[i]:
+            continue
+        logits = S[tokens_row[i]].clone() if i < n else torch.zeros(d, dtype=torch.float64)
+        for (c, dep), choice in q_h.items():
+            for head, p in choice.items():
+                if dep == i:  # i's own head
+                    logits += p * (T[group_of(i, head, n, crf.gamma), c] @ q[head])
+                if head == i:  # dep chose i
+                    logits += p * (T[group_of(dep, i, n, crf.gamma), c].T @ q[dep])
+        if Bm is not None and i < n:
+            logits += (Bm @ q[i]).softmax(0) @ Bm
+        new[i] = logits.softmax(0)
+    return new

@@ -138,3 +138,16 @@ def test_constructors_validate_arguments(bad):
 def test_mask_rejects_bad_lengths(n):
     with pytest.raises(ValueError, match="sentence length n"):
         topology.full().mask(n)
+
+
+@pytest.mark.parametrize("topo,rule,extra", CASES, ids=[c[0].name for c in CASES])
+def test_band_describes_the_token_arcs_when_known(topo, rule, extra):
+    composed = [topo, topo | topology.window(2), topo | topology.clusters(2)]
+    for t in composed:
+        if t.band is None:
+            continue
+        left, right = t.band
+        n = 9
+        offsets = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+        expected = (offsets >= -left) & (offsets <= right) & (offsets != 0)
+        assert torch.equal(t.mask(n)[:n, :n], expected), t.name
