@@ -32,6 +32,7 @@ __all__ = [
     "star",
     "clusters",
     "segments",
+    "root",
     "parse",
     "NAMES",
 ]
@@ -155,6 +156,18 @@ def star(wrap: bool = False) -> Topology:
     return Topology(f"star(wrap={wrap})", ("relay",), build, None if wrap else (1, 1))
 
 
+def root() -> Topology:
+    """A ROOT node (PT's sentence-classification variant): every token may choose it as
+    head; ROOT chooses none. Compose it with a token topology, e.g. ``full() | root()``."""
+
+    def build(n: int) -> torch.Tensor:
+        out = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        out[:n, n] = True
+        return out
+
+    return Topology("root()", ("root",), build, (0, 0))
+
+
 def clusters(k: int) -> Topology:
     """SwarmFormer: k cluster nodes; token i belongs to cluster floor(i * k / n).
 
@@ -197,6 +210,7 @@ NAMES: dict[str, Callable[..., Topology]] = {
     "star": star,
     "clusters": clusters,
     "segments": segments,
+    "root": root,
 }
 
 _TERM = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*([^()]*?)\s*\))?\s*$")

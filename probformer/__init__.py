@@ -5,4 +5,8 @@ Models (the Probabilistic Transformer, the Particle Transformer, baselines),
 (declarations) and ``inference`` (engines).
 """
 
+from probformer.heads import TaskHead
+from probformer.probabilistic_transformer import ProbabilisticTransformer, PTConfig
+
 __version__ = "0.1.0"
+__all__ = ["ProbabilisticTransformer", "PTConfig", "TaskHead"]

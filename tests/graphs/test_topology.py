@@ -42,6 +42,10 @@ def clusters_rule(k):
     return rule
 
 
+def root_rule(i, j, n):
+    return i < n and j >= n
+
+
 def segments_rule(length):
     return lambda i, j, n: i < n and j < n and i // length - j // length in (0, 1)
 
@@ -56,6 +60,7 @@ CASES = [
     (topology.clusters(1), clusters_rule(1), 1),
     (topology.clusters(3), clusters_rule(3), 3),
     (topology.segments(2), segments_rule(2), 0),
+    (topology.root(), root_rule, 1),
     (topology.segments(3), segments_rule(3), 0),
 ]
 

@@ -1,0 +1,110 @@
+"""The Probabilistic Transformer: a CRF, unrolled mean field on it, and a task head.
+
+    embedding  = the CRF's unary potentials S[w_i]          (the input layer)
+    T layers   = T mean-field iterations, weights tied       (attention = head marginals)
+    output     = the last unnormalised label logits M_z     (what the head reads)
+
+The default configuration is the PT reference (pt-spec.md §2.2): async schedule,
+head logits times d (``weights="reference"``), dropout on head marginals and label
+logits. ``mup=True`` switches to μP's scalings (see ``inference.MupScales``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch import nn
+
+import graphs
+import inference
+from probformer.heads import POOLINGS, TASKS, TaskHead
+
+__all__ = ["PTConfig", "ProbabilisticTransformer"]
+
+
+@dataclass
+class PTConfig:
+    vocab_size: int
+    labels: int = 384  # d: the width
+    channels: int = 16  # C: attention heads
+    rank: int = 64  # r: per-channel rank of the ternary tables
+    global_labels: int = 0  # g: the FFN-like global variable (0: none)
+    topology: str = "full"
+    gamma: int = 3  # distance clip: 2 (gamma + 1) relative-position groups
+    iterations: int = 5  # T: layers
+    schedule: str = "async"
+    mup: bool = False
+    kernel: str = "auto"
+    dropout: float = 0.15
+    weights: str = "reference"
+    task: str = "mlm"
+    num_classes: int = 0  # tagging / classification outputs
+    pooling: str = "mean"
+
+    def __post_init__(self):
+        for name, minimum in (
+            ("vocab_size", 1),
+            ("labels", 1),
+            ("channels", 1),
+            ("rank", 1),
+            ("global_labels", 0),
+            ("gamma", 0),
+            ("iterations", 1),
+            ("num_classes", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"config key 'pooling' must be one of {list(POOLINGS)}, got {self.pooling!r}")
+        if self.task != "mlm" and self.num_classes < 1:
+            raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+        if self.pooling == "root" and "root()" not in graphs.topology.parse(self.topology).name:
+            raise ValueError("config key 'pooling'='root' needs a ROOT node: add '| root()' to 'topology'")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> PTConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ProbabilisticTransformer(nn.Module):
+    def __init__(self, config: PTConfig):
+        super().__init__()
+        self.config = config
+        self.crf = graphs.CRF(
+            vocab_size=config.vocab_size,
+            labels=config.labels,
+            channels=config.channels,
+            rank=config.rank,
+            global_labels=config.global_labels,
+            topology=config.topology,
+            gamma=config.gamma,
+        )
+        self.mean_field = inference.MeanField(
+            self.crf,
+            iterations=config.iterations,
+            schedule=config.schedule,
+            mup=config.mup,
+            kernel=config.kernel,
+            dropout=config.dropout,
+            weights=config.weights,
+        )
+        outputs = config.vocab_size if config.task == "mlm" else config.num_classes
+        self.head = TaskHead(config.task, config.labels, outputs, config.pooling)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
+        """Task logits (``[B, n, V]`` for mlm, ``[B, n, classes]`` for tagging,
+        ``[B, classes]`` for classification) and the mean-field ``Posterior``."""
+        tokens, mask = self.crf.check_inputs(tokens, mask)
+        posterior = self.mean_field(tokens, mask)
+        return self.head(posterior.logits, mask), posterior
