@@ -1,0 +1,266 @@
+"""Mean-field engine benchmarks (issue: mean-field engine).
+
+    .venv/bin/python benchmarks/mean_field.py [--quick] [--out docs/benchmarks/mean_field.json]
+
+Measures, on this machine, with torch.set_num_threads(2):
+  1. fused vs naive head kernel: forward+backward of T = 4 iterations, time (interleaved in
+     one process, min over rounds) and peak RSS (one fresh process per measurement);
+  2. one PT iteration vs one standard pre-LN transformer encoder layer (torch SDPA) of the
+     same width and heads;
+  3. MeanField vs Pyro SVI (mean-field guide, TraceEnum_ELBO) wall time to the same ELBO;
+  4. achieved fraction of the machine's fp32 matmul throughput;
+  5. eager vs torch.compile.
+Prints markdown tables and writes the raw numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+import torch  # noqa: E402
+
+THREADS = 2
+
+
+def build(d, C, r, n, B, kernel, seed=0):
+    import graphs
+    import inference
+
+    torch.manual_seed(seed)
+    crf = graphs.CRF(vocab_size=1000, labels=d, channels=C, rank=r, topology="full", gamma=3)
+    engine = inference.MeanField(crf, iterations=4, kernel=kernel, weights="reference")
+    tokens = torch.randint(0, 1000, (B, n))
+    return engine, tokens
+
+
+def build_reference(d, C, n, B, seed=0):
+    """A pre-LN transformer encoder layer (SDPA inside), applied 4 times with tied weights."""
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(d, C, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+    x = torch.randn(B, n, d)
+    return layer, x
+
+
+def step(kind, model, inputs):
+    if kind == "reference":
+        h = inputs
+        for _ in range(4):
+            h = model(h)
+        h.square().mean().backward()
+    else:
+        model(inputs).logits.square().mean().backward()
+
+
+def make(kind, d, C, r, n, B):
+    if kind == "reference":
+        return build_reference(d, C, n, B)
+    return build(d, C, r, n, B, kind)
+
+
+def time_interleaved(kinds, d, C, r, n, B, rounds):
+    models = {k: make(k, d, C, r, n, B) for k in kinds}
+    best = {k: math.inf for k in kinds}
+    for k in kinds:  # warm-up
+        step(k, *models[k])
+    for _ in range(rounds):
+        for k in kinds:
+            start = time.perf_counter()
+            step(k, *models[k])
+            best[k] = min(best[k], time.perf_counter() - start)
+    return best
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def measure_peak(kind, d, C, r, n, B) -> float:
+    """In this process: GiB of peak RSS during one forward+backward above the RSS after
+    setup. The kernel's peak counter (VmHWM) is reset after setup (clear_refs = 5)."""
+    model = make(kind, d, C, r, n, B)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kib("VmRSS")
+    step(kind, *model)
+    return (_status_kib("VmHWM") - base) / 2**20
+
+
+def peak_memory(kind, d, C, r, n, B) -> float:
+    """``measure_peak`` in a fresh process (so earlier allocations cannot hide the peak)."""
+    code = (
+        "import sys, torch; sys.path.insert(0, '.'); torch.set_num_threads(%d);"
+        "from benchmarks.mean_field import measure_peak; print(measure_peak(%r, %d, %d, %d, %d, %d))"
+    ) % (THREADS, kind, d, C, r, n, B)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        return math.nan
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def flops_per_iteration(d, C, r, n, B, K=8):
+    """Algorithmic forward FLOPs of one PT iteration: query/key projections and the two
+    back-projections (8 B n d K C r) and three n x n contractions of width C r."""
+    return 8 * B * n * d * K * C * r + 6 * B * C * n * n * r
+
+
+def matmul_throughput() -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * 2048**3 / best / 1e9
+
+
+def svi_vs_mean_field():
+    import pyro
+    import pyro.distributions as dist
+    from pyro.infer import SVI, TraceEnum_ELBO
+    from pyro.optim import Adam
+
+    import graphs
+    import inference
+
+    torch.manual_seed(0)
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    crf = graphs.CRF(vocab_size=5, labels=2, channels=1, rank=2, global_labels=2, topology="full")
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.mul_(0.7)
+    crf.requires_grad_(False)
+    tokens = torch.tensor([[1, 2, 3], [4, 0, 2]])
+    B, n = tokens.shape
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        target = inference.MeanField(crf, iterations=20, schedule="async")(tokens).elbo.sum().item()
+    mean_field_time = time.perf_counter() - start
+    reps = 20
+    start = time.perf_counter()
+    for _ in range(reps):
+        with torch.no_grad():
+            inference.MeanField(crf, iterations=20, schedule="async")(tokens).elbo.sum().item()
+    mean_field_time = (time.perf_counter() - start) / reps
+
+    latent = [f"z_{i}" for i in range(n)] + [f"g_{i}" for i in range(n)] + [f"h_0_{i}" for i in range(n)]
+
+    def guide(tokens, mask=None):
+        with pyro.plate("batch", B, dim=-1):
+            for name in latent:
+                size = n if name.startswith("h") else 2
+                logits = pyro.param(f"q_{name}", torch.zeros(B, size))
+                if name.startswith("h"):
+                    logits = logits.index_fill(-1, torch.tensor([int(name.split("_")[-1])]), -math.inf)
+                pyro.sample(name, dist.Categorical(logits=logits), infer={"enumerate": "parallel"})
+
+    elbo = TraceEnum_ELBO(max_plate_nesting=1)
+    svi = SVI(crf.model, guide, Adam({"lr": 0.1}), elbo)
+    start, steps, reached = time.perf_counter(), 0, None
+    while steps < 3000:
+        loss = svi.step(tokens)
+        steps += 1
+        if steps % 10 == 0 and -loss >= target - 1e-3:
+            reached = time.perf_counter() - start
+            break
+    return {
+        "target_elbo": target,
+        "mean_field_seconds": mean_field_time,
+        "svi_steps": steps,
+        "svi_seconds": reached if reached is not None else math.nan,
+    }
+
+
+def compile_comparison(d=256, C=8, r=64, n=512, B=8):
+    engine, tokens = build(d, C, r, n, B, "fused")
+    compiled = torch.compile(lambda t: engine(t).logits)
+    start = time.perf_counter()
+    compiled(tokens).square().mean().backward()
+    first = time.perf_counter() - start
+    best = {"eager": math.inf, "compiled": math.inf}
+    for _ in range(3):
+        for name, fn in (("eager", lambda t: engine(t).logits), ("compiled", compiled)):
+            start = time.perf_counter()
+            fn(tokens).square().mean().backward()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {"first_call_seconds": first, **best}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
+    parser.add_argument("--out", default="docs/benchmarks/mean_field.json")
+    args = parser.parse_args()
+    torch.set_num_threads(THREADS)
+    results = {"threads": THREADS, "torch": torch.__version__, "kernels": [], "memory": []}
+
+    gemm = matmul_throughput()
+    results["fp32_matmul_gflops"] = gemm
+    print(f"fp32 matmul (2048^3, {THREADS} threads): {gemm:.1f} GFLOP/s\n")
+
+    configs = [("d256", 256, 8, 64), ("ptb", 384, 16, 64)]
+    shapes = [(128, 8), (512, 8)] if args.quick else [(128, 8), (512, 8), (2048, 1)]
+    print(
+        "| config | n | B | naive s | fused s | standard layer x4 s | naive/fused | fused/standard | "
+        "fused % of matmul peak |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, d, C, r in configs:
+        for n, B in shapes:
+            rounds = 3 if n <= 512 else 1
+            best = time_interleaved(["naive", "fused", "reference"], d, C, r, n, B, rounds)
+            achieved = 3 * 4 * flops_per_iteration(d, C, r, n, B) / best["fused"] / 1e9 / gemm
+            row = dict(config=name, d=d, C=C, r=r, n=n, B=B, **best, achieved_fraction=achieved)
+            results["kernels"].append(row)
+            print(
+                f"| {name} | {n} | {B} | {best['naive']:.3f} | {best['fused']:.3f} | {best['reference']:.3f} | "
+                f"{best['naive'] / best['fused']:.2f} | {best['fused'] / best['reference']:.2f} | "
+                f"{100 * achieved:.0f}% |"
+            )
+
+    print("\n| config | n | B | naive GiB | fused GiB | standard layer x4 GiB | fused/naive |")
+    print("|---|---|---|---|---|---|---|")
+    memory_shapes = [(128, 8), (512, 8)] if args.quick else [(512, 8), (512, 1), (2048, 1), (8192, 1)]
+    for name, d, C, r in configs[:1] if not args.quick else configs:
+        for n, B in memory_shapes:
+            kinds = ["naive", "fused", "reference"] if n <= 2048 else ["fused", "reference"]
+            mem = {k: peak_memory(k, d, C, r, n, B) for k in kinds}
+            mem.setdefault("naive", math.nan)
+            results["memory"].append(dict(config=name, n=n, B=B, **mem))
+            print(
+                f"| {name} | {n} | {B} | {mem['naive']:.2f} | {mem['fused']:.2f} | {mem['reference']:.2f} | "
+                f"{mem['fused'] / mem['naive']:.2f} |"
+            )
+
+    svi = svi_vs_mean_field()
+    results["svi"] = svi
+    print(
+        f"\nMeanField (20 async iterations) {svi['mean_field_seconds'] * 1e3:.2f} ms vs Pyro SVI "
+        f"{svi['svi_seconds']:.2f} s ({svi['svi_steps']} steps) to ELBO {svi['target_elbo']:.4f} - 1e-3: "
+        f"{svi['svi_seconds'] / svi['mean_field_seconds']:.0f}x"
+    )
+
+    comp = compile_comparison() if not args.quick else compile_comparison(n=128, B=2)
+    results["compile"] = comp
+    print(
+        f"\neager {comp['eager']:.3f} s vs torch.compile {comp['compiled']:.3f} s "
+        f"({comp['eager'] / comp['compiled']:.2f}x); first compiled call {comp['first_call_seconds']:.1f} s"
+    )
+
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
