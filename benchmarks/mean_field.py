@@ -96,9 +96,9 @@ def measure_peak(kind, d, C, r, n, B) -> float:
 def peak_memory(kind, d, C, r, n, B) -> float:
     """``measure_peak`` in a fresh process (so earlier allocations cannot hide the peak)."""
     code = (
-        "import sys, torch; sys.path.insert(0, '.'); torch.set_num_threads(%d);"
-        "from benchmarks.mean_field import measure_peak; print(measure_peak(%r, %d, %d, %d, %d, %d))"
-    ) % (THREADS, kind, d, C, r, n, B)
+        f"import sys, torch; sys.path.insert(0, '.'); torch.set_num_threads({THREADS});"
+        f"from benchmarks.mean_field import measure_peak; print(measure_peak({kind!r}, {d}, {C}, {r}, {n}, {B}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode != 0:
         return math.nan
