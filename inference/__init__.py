@@ -16,3 +16,7 @@ __all__ += ["Gibbs", "GibbsResult"]
 from inference.mean_field import MeanField, MessageWeights, MupScales  # noqa: E402
 
 __all__ += ["MeanField", "MessageWeights", "MupScales"]
+
+from inference.smc import SMC, SMCResult  # noqa: E402
+
+__all__ += ["SMC", "SMCResult"]

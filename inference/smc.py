@@ -1,0 +1,277 @@
+"""Sequential Monte Carlo, batched over independent filters: particles ``[B, N, ...]``,
+log-weights ``[B, N]``.
+
+Each step propagates every particle and multiplies in its incremental weight; the
+log-evidence grows by ``log sum_i W_i exp(inc_i)`` with W the normalised weights
+before the step (so it stays unbiased across resampling); then every filter whose
+ESS / N falls below ``ess_threshold`` resamples (its weights become uniform).
+
+Resamplers (offspring counts have expectation N w_i): multinomial, stratified,
+systematic, residual. Relaxations for training through resampling:
+``"gumbel-softmax"`` (each new particle is a softmax((log w + Gumbel) / tau) mixture
+of the old ones) and ``"straight-through"`` (the hard Gumbel-max choice forward, the
+soft mixture's gradient backward).
+
+Two ways in:
+    smc.filter(init, step, num_steps, batch_size=B)   plain tensor callables
+    smc.filter(model, data)                            a Pyro state-space model object with
+                                                       init(state, ...) / step(state, y):
+                                                       pyro.infer.SMCFilter's interface
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyro
+import torch
+from pyro import poutine
+
+__all__ = ["SMC", "SMCResult", "RESAMPLERS", "RELAXATIONS", "resample_indices"]
+
+RESAMPLERS = ("multinomial", "stratified", "systematic", "residual")
+RELAXATIONS = (None, "gumbel-softmax", "straight-through")
+
+
+@dataclass
+class SMCResult:
+    log_evidence: torch.Tensor  # [B]
+    log_weights: torch.Tensor  # [B, N], normalised (logsumexp = 0)
+    particles: object  # [B, N, ...] tensor, or a dict of them
+    ess: torch.Tensor  # [T, B] before resampling
+    ancestors: torch.Tensor  # [T, B, N]; identity where no resampling happened
+    resampled: torch.Tensor  # [T, B] bool
+
+
+def _check_weights(log_weights: torch.Tensor) -> None:
+    if torch.isnan(log_weights).any():
+        raise ValueError("log-weights contain NaN")
+    if torch.isposinf(log_weights).any():
+        raise ValueError("log-weights contain +inf")
+    dead = torch.isneginf(log_weights).all(-1)
+    if dead.any():
+        raise ValueError(
+            f"every particle has zero weight (all log-weights -inf) in filters {dead.nonzero().flatten().tolist()}"
+        )
+
+
+def resample_indices(weights: torch.Tensor, method: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Ancestor indices ``[B, N]`` for normalised weights ``[B, N]``."""
+    B, N = weights.shape
+    device, dtype = weights.device, weights.dtype
+    if method == "multinomial":
+        return torch.multinomial(weights, N, replacement=True, generator=generator)
+    if method == "residual":
+        copies = torch.floor(N * weights)
+        remaining = (N - copies.sum(-1)).long()  # [B]
+        deterministic = torch.repeat_interleave(
+            torch.arange(N, device=device).expand(B, N).reshape(-1), copies.long().reshape(-1)
+        )
+        residual = (N * weights - copies).clamp(min=0)
+        ancestors = torch.empty(B, N, dtype=torch.long, device=device)
+        starts = torch.cat([copies.new_zeros(1), copies.sum(-1).cumsum(0)]).long().tolist()
+        for b in range(B):  # the residual draw size differs per filter
+            fixed = deterministic[starts[b] : starts[b + 1]]
+            extra = int(remaining[b])
+            if extra:
+                drawn = torch.multinomial(residual[b] / residual[b].sum(), extra, replacement=True, generator=generator)
+                fixed = torch.cat([fixed, drawn])
+            ancestors[b] = fixed
+        return ancestors
+    if method == "stratified":
+        u = torch.rand(B, N, device=device, dtype=dtype, generator=generator)
+    elif method == "systematic":
+        u = torch.rand(B, 1, device=device, dtype=dtype, generator=generator).expand(B, N)
+    else:
+        raise ValueError(f"unknown resampler {method!r}; allowed: {list(RESAMPLERS)}")
+    positions = (torch.arange(N, device=device, dtype=dtype) + u) / N
+    cumulative = weights.cumsum(-1)
+    cumulative[:, -1] = 1.0  # guard against rounding below the last position
+    return torch.searchsorted(cumulative.contiguous(), positions.contiguous()).clamp(max=N - 1)
+
+
+def _gather(particles, ancestors):
+    if isinstance(particles, dict):
+        return {k: _gather(v, ancestors) for k, v in particles.items()}
+    index = ancestors.reshape(*ancestors.shape, *([1] * (particles.dim() - 2))).expand(
+        *ancestors.shape, *particles.shape[2:]
+    )
+    return particles.gather(1, index)
+
+
+def _mix(particles, mixing):
+    """New particle i = sum_j mixing[b, i, j] particle j."""
+    if isinstance(particles, dict):
+        return {k: _mix(v, mixing) for k, v in particles.items()}
+    flat = particles.reshape(*particles.shape[:2], -1)
+    return (mixing.to(flat.dtype) @ flat).reshape(particles.shape)
+
+
+def _select(mask, new, old):
+    """Per filter: ``new`` where mask[b] else ``old``."""
+    if isinstance(new, dict):
+        return {k: _select(mask, new[k], old[k]) for k in new}
+    return torch.where(mask.reshape(-1, *([1] * (new.dim() - 1))), new, old)
+
+
+class SMC:
+    """A batched particle filter.
+
+    Args:
+        num_particles: N >= 1.
+        resample: one of ``RESAMPLERS``.
+        ess_threshold: resample when ESS / N < threshold (1.0: always; 0: never).
+        relaxation: None (hard resampling), "gumbel-softmax" or "straight-through".
+        temperature: tau of the relaxations.
+        generator: a ``torch.Generator`` for reproducible runs.
+    """
+
+    def __init__(
+        self,
+        num_particles: int,
+        resample: str = "systematic",
+        ess_threshold: float = 0.5,
+        relaxation: str | None = None,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ):
+        if isinstance(num_particles, bool) or not isinstance(num_particles, int) or num_particles < 1:
+            raise ValueError(f"num_particles must be an integer >= 1, got {num_particles!r}")
+        if resample not in RESAMPLERS:
+            raise ValueError(f"unknown resampler {resample!r}; allowed: {list(RESAMPLERS)}")
+        if not 0 <= ess_threshold <= 1:
+            raise ValueError(f"ess_threshold must lie in [0, 1], got {ess_threshold!r}")
+        if relaxation not in RELAXATIONS:
+            raise ValueError(f"unknown relaxation {relaxation!r}; allowed: {list(RELAXATIONS)}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        self.num_particles, self.resample, self.ess_threshold = num_particles, resample, ess_threshold
+        self.relaxation, self.temperature, self.generator = relaxation, temperature, generator
+
+    # ---- the core loop ----------------------------------------------------------------
+
+    def filter(self, init, step=None, num_steps: int | None = None, batch_size: int | None = None) -> SMCResult:
+        """``filter(init, step, num_steps, batch_size=B)`` with tensor callables, or
+        ``filter(model, data)`` / ``filter(model, data, batch_size=B)`` for a Pyro model
+        object (data ``[T, ...]`` for one filter, ``[B, T, ...]`` for B filters)."""
+        if hasattr(init, "init") and hasattr(init, "step"):
+            return self._filter_pyro(init, step, batch_size)
+        if not callable(init) or not callable(step):
+            raise TypeError("filter takes (init, step, num_steps) callables or (model, data) for a Pyro model")
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps must be an integer >= 0, got {num_steps!r}")
+        return self._run(init, step, num_steps, 1 if batch_size is None else batch_size)
+
+    def _run(self, init: Callable, step: Callable, num_steps: int, batch_size: int) -> SMCResult:
+        N = self.num_particles
+        particles = init(batch_size)
+        first = particles if not isinstance(particles, dict) else next(iter(particles.values()))
+        B, device = first.shape[0], first.device
+        dtype = first.dtype if first.dtype.is_floating_point else torch.get_default_dtype()
+        if first.shape[1] != N:
+            raise ValueError(f"init must return particles [B, N={N}, ...], got {tuple(first.shape)}")
+        log_weights = torch.full((B, N), -math.log(N), device=device, dtype=dtype)
+        log_evidence = torch.zeros(B, device=device, dtype=dtype)
+        history = {"ess": [], "ancestors": [], "resampled": []}
+        identity = torch.arange(N, device=device).expand(B, N)
+        for t in range(num_steps):
+            particles, increment = step(t, particles)
+            if increment.shape != (B, N):
+                raise ValueError(
+                    f"step must return log-incremental weights [B, N] = {(B, N)}, got {tuple(increment.shape)}"
+                )
+            _check_weights(increment)
+            joint = log_weights + increment
+            _check_weights(joint)
+            step_evidence = joint.logsumexp(-1)  # log sum_i W_i exp(inc_i) (W normalised)
+            log_evidence = log_evidence + step_evidence
+            log_weights = joint - step_evidence[:, None]
+            ess = (2 * log_weights.logsumexp(-1) - (2 * log_weights).logsumexp(-1)).exp()
+            resampled = ess < self.ess_threshold * N
+            if self.ess_threshold >= 1:
+                resampled = torch.ones_like(resampled)
+            ancestors = identity
+            if resampled.any():
+                particles, ancestors = self._resample(particles, log_weights, resampled)
+                log_weights = torch.where(resampled[:, None], -math.log(N), log_weights)
+            history["ess"].append(ess.detach())
+            history["ancestors"].append(ancestors)
+            history["resampled"].append(resampled)
+        empty = torch.zeros(0, B, device=device)
+        return SMCResult(
+            log_evidence=log_evidence,
+            log_weights=log_weights,
+            particles=particles,
+            ess=torch.stack(history["ess"]) if num_steps else empty,
+            ancestors=torch.stack(history["ancestors"]) if num_steps else empty.long()[..., None].expand(0, B, N),
+            resampled=torch.stack(history["resampled"]) if num_steps else empty.bool(),
+        )
+
+    def _resample(self, particles, log_weights, resampled):
+        weights = log_weights.detach().exp()
+        if self.relaxation is None:
+            ancestors = resample_indices(weights, self.resample, self.generator)
+            ancestors = torch.where(
+                resampled[:, None], ancestors, torch.arange(weights.shape[1], device=weights.device)
+            )
+            return _select(resampled, _gather(particles, ancestors), particles), ancestors
+        B, N = weights.shape
+        uniform = torch.rand(B, N, N, device=weights.device, dtype=log_weights.dtype, generator=self.generator)
+        gumbel = -(-uniform.clamp(min=1e-20).log()).log()
+        scores = log_weights[:, None, :] + gumbel  # row i: the choice of new particle i
+        soft = (scores / self.temperature).softmax(-1)
+        ancestors = scores.argmax(-1)
+        if self.relaxation == "straight-through":
+            hard = torch.nn.functional.one_hot(ancestors, N).to(soft.dtype)
+            mixing = hard + soft - soft.detach()
+        else:
+            mixing = soft
+        ancestors = torch.where(resampled[:, None], ancestors, torch.arange(N, device=weights.device))
+        return _select(resampled, _mix(particles, mixing), particles), ancestors
+
+    # ---- Pyro state-space models ------------------------------------------------------
+
+    def _filter_pyro(self, model, data, batch_size) -> SMCResult:
+        """Run a Pyro model object (``init(state)``, ``step(state, y)``; latent sites drawn
+        from their prior: the bootstrap proposal) for the observations ``data``."""
+        if not isinstance(data, torch.Tensor) or data.dim() < 1:
+            raise ValueError("data must be a tensor of observations [T, ...] or [B, T, ...]")
+        if batch_size is None:
+            data = data[None]
+        elif data.shape[0] != batch_size:
+            raise ValueError(f"data must have shape [batch_size={batch_size}, T, ...], got {tuple(data.shape)}")
+        B, T = data.shape[:2]
+        N = self.num_particles
+        event_shape = data.shape[2:]
+
+        def flatten(state):
+            return {k: v.reshape(B, N, *v.shape[1:]) for k, v in state.items()}
+
+        def unflatten(particles):
+            return {k: v.reshape(B * N, *v.shape[2:]) for k, v in particles.items()}
+
+        def run(fn, state, *args):
+            with poutine.trace() as tracer, pyro.plate("particles", B * N, dim=-1):
+                fn(state, *args)
+            trace = tracer.trace
+            trace.compute_log_prob()
+            increment = torch.zeros(B * N, dtype=data.dtype, device=data.device)
+            for site in trace.nodes.values():
+                if site["type"] == "sample" and site["is_observed"]:
+                    increment = increment + site["log_prob"].reshape(B * N, -1).sum(-1)
+            return increment.reshape(B, N)
+
+        def init(_):
+            state = {}
+            run(model.init, state)
+            return flatten(state)
+
+        def step(t, particles):
+            state = unflatten(particles)
+            y = data[:, t].repeat_interleave(N, 0).reshape(B * N, *event_shape)
+            increment = run(model.step, state, y)
+            return flatten(state), increment
+
+        return self._run(init, step, T, B)

@@ -1,0 +1,263 @@
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from scipy import stats
+
+from inference import SMC
+from inference.smc import RESAMPLERS, resample_indices
+
+# ---- an exact oracle: the Kalman filter -----------------------------------------------
+
+
+def kalman(ys, A, Q, H, R, m0, P0):
+    """Filtering means [T, D] and the log-evidence of ys [T, E] under
+    x_0 ~ N(m0, P0), x_t = A x_{t-1} + N(0, Q), y_t = H x_t + N(0, R)."""
+    m, P, log_z, means = m0, P0, 0.0, []
+    for y in ys:
+        m, P = A @ m, A @ P @ A.T + Q
+        S = H @ P @ H.T + R
+        log_z += torch.distributions.MultivariateNormal(H @ m, S).log_prob(y).item()
+        K = P @ H.T @ torch.linalg.inv(S)
+        m, P = m + K @ (y - H @ m), (torch.eye(len(m), dtype=P.dtype) - K @ H) @ P
+        means.append(m)
+    return torch.stack(means), log_z
+
+
+def lgssm(dim, seed=0, steps=30):
+    g = torch.Generator().manual_seed(seed)
+    A = 0.9 * torch.eye(dim, dtype=torch.float64) + 0.05 * torch.randn(dim, dim, generator=g, dtype=torch.float64)
+    Q = 0.5 * torch.eye(dim, dtype=torch.float64)
+    H = torch.eye(dim, dtype=torch.float64) + 0.1 * torch.randn(dim, dim, generator=g, dtype=torch.float64)
+    R = 0.3 * torch.eye(dim, dtype=torch.float64)
+    m0, P0 = torch.zeros(dim, dtype=torch.float64), torch.eye(dim, dtype=torch.float64)
+    x, ys = torch.randn(dim, generator=g, dtype=torch.float64), []
+    for _ in range(steps):
+        x = A @ x + Q.sqrt() @ torch.randn(dim, generator=g, dtype=torch.float64)
+        ys.append(H @ x + R.sqrt() @ torch.randn(dim, generator=g, dtype=torch.float64))
+    return torch.stack(ys), A, Q, H, R, m0, P0
+
+
+def bootstrap(ys, A, Q, H, R, m0, P0, N, generator, means=None):
+    """init/step callables of the bootstrap filter for the LGSSM."""
+    dim = len(m0)
+    q, r = torch.linalg.cholesky(Q), torch.distributions.MultivariateNormal(torch.zeros(dim, dtype=R.dtype), R)
+
+    def init(B):
+        return m0 + torch.randn(B, N, dim, generator=generator, dtype=torch.float64) @ torch.linalg.cholesky(P0).T
+
+    def step(t, x):
+        x = x @ A.T + torch.randn(x.shape, generator=generator, dtype=torch.float64) @ q.T
+        increment = r.log_prob(ys[t] - x @ H.T)
+        if means is not None:
+            means.append(x)
+        return x, increment
+
+    return init, step
+
+
+@pytest.mark.parametrize("dim", [1, 4])
+def test_log_evidence_and_filtering_means_match_the_kalman_filter(dim):
+    ys, A, Q, H, R, m0, P0 = lgssm(dim)
+    exact_means, exact_log_z = kalman(ys, A, Q, H, R, m0, P0)
+    seeds, N = 24, 1000
+    g = torch.Generator().manual_seed(0)
+    smc = SMC(N, resample="systematic", ess_threshold=0.5, generator=g)
+    states = []
+    result = smc.filter(*bootstrap(ys, A, Q, H, R, m0, P0, N, g, states), num_steps=len(ys), batch_size=seeds)
+    estimates = result.log_evidence  # one independent filter per seed
+    se = estimates.std() / math.sqrt(seeds)
+    assert abs(estimates.mean().item() - exact_log_z) < 3 * se.item() + 1e-3, (estimates.mean(), exact_log_z)
+    # filtering mean at the last step: weighted particle mean, averaged over the seeds
+    weights = result.log_weights.exp()
+    final = (weights[..., None] * result.particles).sum(1)  # [seeds, dim]
+    mean_se = final.std(0) / math.sqrt(seeds)
+    assert ((final.mean(0) - exact_means[-1]).abs() < 3 * mean_se + 1e-3).all()
+    assert result.ess.shape == (len(ys), seeds) and result.ancestors.shape == (len(ys), seeds, N)
+
+
+def test_log_evidence_error_shrinks_with_more_particles():
+    ys, A, Q, H, R, m0, P0 = lgssm(1, seed=1)
+    _, exact_log_z = kalman(ys, A, Q, H, R, m0, P0)
+    errors = {}
+    for N in (100, 10_000):
+        g = torch.Generator().manual_seed(1)
+        result = SMC(N, generator=g).filter(*bootstrap(ys, A, Q, H, R, m0, P0, N, g), num_steps=len(ys), batch_size=8)
+        errors[N] = (result.log_evidence - exact_log_z).abs().mean().item()
+    assert errors[10_000] < errors[100] / 3, errors
+
+
+class PyroLGSSM:
+    """The 1-D LGSSM as a Pyro model object (SMCFilter's interface)."""
+
+    def __init__(self, a, q, h, r):
+        self.a, self.q, self.h, self.r = a, q, h, r
+
+    def init(self, state):
+        state["x"] = pyro.sample("x_init", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+
+    def step(self, state, y=None):
+        state["x"] = pyro.sample("x", dist.Normal(self.a * state["x"], self.q**0.5))
+        pyro.sample("y", dist.Normal(self.h * state["x"], self.r**0.5), obs=y)
+
+
+class PyroBootstrapGuide:
+    """SMCFilter needs a guide: proposing from the transition makes it a bootstrap filter."""
+
+    def __init__(self, a, q):
+        self.a, self.q = a, q
+
+    def init(self, state):
+        pyro.sample("x_init", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+
+    def step(self, state, y=None):
+        pyro.sample("x", dist.Normal(self.a * state["x"], self.q**0.5))
+
+
+def test_the_same_pyro_model_runs_under_smcfilter_and_this_engine():
+    ys, A, Q, H, R, m0, P0 = lgssm(1, seed=2, steps=20)
+    exact_means, exact_log_z = kalman(ys, A, Q, H, R, m0, P0)
+    a, q, h, r = A.item(), Q.item(), H.item(), R.item()
+    model = PyroLGSSM(a, q, h, r)
+    seeds = 16
+    g = torch.Generator().manual_seed(3)
+    ours = SMC(2000, generator=g).filter(model, ys[:, 0].expand(seeds, -1), batch_size=seeds)
+    our_means = (ours.log_weights.exp() * ours.particles["x"]).sum(1)
+    se = our_means.std() / math.sqrt(seeds)
+    assert abs(our_means.mean().item() - exact_means[-1].item()) < 3 * se.item() + 1e-3
+    assert abs(ours.log_evidence.mean().item() - exact_log_z) < 3 * ours.log_evidence.std().item() / 4 + 1e-2
+
+    pyro.set_rng_seed(0)
+    theirs = []
+    guide = PyroBootstrapGuide(a, q)
+    for _ in range(seeds):
+        smc = pyro.infer.SMCFilter(model, guide, num_particles=2000, max_plate_nesting=0)
+        smc.init()
+        for y in ys[:, 0]:
+            smc.step(y)
+        theirs.append(smc.get_empirical()["x"].mean)
+    theirs = torch.stack(theirs)
+    both_se = math.sqrt(se.item() ** 2 + (theirs.std().item() / math.sqrt(seeds)) ** 2)
+    assert abs(theirs.mean().item() - our_means.mean().item()) < 3 * both_se + 1e-3
+
+
+def test_a_single_pyro_filter_with_unbatched_data():
+    ys = lgssm(1, seed=4, steps=5)[0][:, 0]
+    result = SMC(50, generator=torch.Generator().manual_seed(0)).filter(PyroLGSSM(0.9, 0.5, 1.0, 0.3), ys)
+    assert result.log_evidence.shape == (1,) and result.particles["x"].shape == (1, 50)
+
+
+# ---- resamplers ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", RESAMPLERS)
+def test_offspring_counts_have_expectation_n_w(method):
+    N, draws = 10, 4000
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(N, generator=g, dtype=torch.float64) ** 2
+    w = w / w.sum()
+    ancestors = resample_indices(w.expand(draws, N).contiguous(), method, g)
+    counts = torch.nn.functional.one_hot(ancestors, N).sum(1).double()  # [draws, N]
+    observed, expected = counts.sum(0), draws * N * w
+    chi2 = ((observed - expected) ** 2 / expected).sum().item()
+    assert chi2 < stats.chi2.ppf(0.999, N - 1), chi2
+
+
+def test_stratified_and_systematic_have_lower_count_variance_than_multinomial():
+    N, draws = 20, 3000
+    g = torch.Generator().manual_seed(1)
+    w = torch.rand(N, generator=g, dtype=torch.float64)
+    w = (w / w.sum()).expand(draws, N).contiguous()
+    variance = {}
+    for method in RESAMPLERS:
+        counts = torch.nn.functional.one_hot(resample_indices(w, method, g), N).sum(1).double()
+        variance[method] = counts.var(0).sum().item()
+    assert variance["stratified"] < variance["multinomial"]
+    assert variance["systematic"] < variance["multinomial"]
+    assert variance["residual"] < variance["multinomial"]
+
+
+def test_residual_is_exact_on_integer_n_w():
+    w = torch.tensor([[0.5, 0.25, 0.25, 0.0]], dtype=torch.float64).expand(50, 4).contiguous()
+    counts = torch.nn.functional.one_hot(resample_indices(w, "residual"), 4).sum(1)
+    assert (counts == torch.tensor([2, 1, 1, 0])).all()
+
+
+def test_resampling_triggers_exactly_below_the_threshold():
+    N = 8
+    log_w = torch.log(torch.tensor([[0.93] + [0.01] * 7, [1 / 8] * 8], dtype=torch.float64))
+
+    def step(t, x):
+        return x, log_w
+
+    result = SMC(N, ess_threshold=0.5).filter(lambda B: torch.zeros(B, N), step, num_steps=1, batch_size=2)
+    ess = result.ess[0]
+    assert result.resampled[0].tolist() == [bool(ess[0] < 4), bool(ess[1] < 4)] == [True, False]
+    assert torch.allclose(result.log_weights[0], torch.full((N,), -math.log(N), dtype=torch.float64))
+    always = SMC(N, ess_threshold=1.0).filter(lambda B: torch.zeros(B, N), step, num_steps=1, batch_size=2)
+    assert always.resampled.all()
+
+
+# ---- relaxations -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("relaxation", ["gumbel-softmax", "straight-through"])
+def test_relaxed_resampling_passes_finite_gradients(relaxation):
+    N = 16
+    theta = torch.tensor(0.7, requires_grad=True)
+    g = torch.Generator().manual_seed(0)
+
+    def step(t, x):
+        x = x + theta
+        return x, -0.5 * (x - 1.0) ** 2
+
+    result = SMC(N, ess_threshold=1.0, relaxation=relaxation, temperature=0.5, generator=g).filter(
+        lambda B: torch.randn(B, N, generator=g), step, num_steps=3, batch_size=2
+    )
+    loss = (result.log_weights.exp() * result.particles).sum()
+    loss.backward()
+    assert torch.isfinite(theta.grad) and theta.grad != 0
+
+
+def test_soft_resampling_approaches_hard_as_temperature_falls():
+    N = 32
+    x0 = torch.randn(1, N, generator=torch.Generator().manual_seed(5))
+    log_w = torch.randn(1, N, generator=torch.Generator().manual_seed(6))
+
+    def run(relaxation, tau):
+        g = torch.Generator().manual_seed(7)
+        smc = SMC(N, ess_threshold=1.0, relaxation=relaxation, temperature=tau, generator=g)
+        return smc.filter(lambda B: x0.clone(), lambda t, x: (x, log_w), num_steps=1).particles
+
+    hard = run("straight-through", 1.0)
+    errors = [(run("gumbel-softmax", tau) - hard).abs().max().item() for tau in (1.0, 0.1, 0.001)]
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3
+
+
+# ---- bad input ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_particles=0), "num_particles must be an integer >= 1"),
+        (dict(num_particles=4, resample="best"), "unknown resampler 'best'"),
+        (dict(num_particles=4, ess_threshold=1.5), "ess_threshold"),
+        (dict(num_particles=4, relaxation="soft"), "unknown relaxation"),
+        (dict(num_particles=4, temperature=0.0), "temperature"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SMC(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "increment,match",
+    [(torch.full((1, 4), -math.inf), "all log-weights -inf"), (torch.tensor([[0.0, math.nan, 0.0, 0.0]]), "NaN")],
+)
+def test_degenerate_weights_raise(increment, match):
+    with pytest.raises(ValueError, match=match):
+        SMC(4).filter(lambda B: torch.zeros(B, 4), lambda t, x: (x, increment), num_steps=1)

@@ -1,0 +1,160 @@
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from probformer import diagnostics
+
+
+# ---- ESS ---------------------------------------------------------------------
+
+
+def test_ess_uniform_is_n_and_one_hot_is_one():
+    assert diagnostics.ess(torch.ones(7)).item() == pytest.approx(7)
+    assert diagnostics.ess(torch.tensor([0.0, 3.0, 0.0])).item() == pytest.approx(1)
+    assert diagnostics.ess(torch.ones(4, 10), normalized=True).tolist() == pytest.approx([1.0] * 4)
+    assert diagnostics.ess(log_weights=torch.tensor([0.0, -math.inf, -math.inf])).item() == pytest.approx(1)
+
+
+@given(seed=st.integers(0, 10_000), scale=st.floats(1e-3, 1e3))
+def test_ess_is_scale_invariant_and_log_space_agrees(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(3, 5, 20, generator=g, dtype=torch.float64) ** 3
+    by_hand = w.sum(-1) ** 2 / (w**2).sum(-1)
+    torch.testing.assert_close(diagnostics.ess(w), by_hand)
+    torch.testing.assert_close(diagnostics.ess(w * scale), by_hand)
+    torch.testing.assert_close(diagnostics.ess(log_weights=w.log()), by_hand)
+    torch.testing.assert_close(diagnostics.ess(log_weights=w.log() + 800.0), by_hand)  # no overflow
+
+
+def test_ess_works_along_other_dims_on_attention_shapes():
+    attention = torch.rand(2, 3, 6, 6).softmax(-1)
+    column_mass = attention.sum(-2)
+    assert diagnostics.ess(attention).shape == (2, 3, 6)
+    assert diagnostics.ess(attention, dim=-2).shape == (2, 3, 6)
+    assert diagnostics.ess(column_mass).shape == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(weights=torch.tensor([])), "non-empty"),
+        (dict(weights=torch.tensor([1.0, math.nan])), "NaN"),
+        (dict(weights=torch.tensor([1.0, -1.0])), "non-negative"),
+        (dict(weights=torch.zeros(3)), "sum to zero"),
+        (dict(log_weights=torch.full((3,), -math.inf)), "all -inf"),
+        (dict(log_weights=torch.tensor([0.0, math.nan])), "NaN"),
+        (dict(), "exactly one"),
+    ],
+)
+def test_ess_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        diagnostics.ess(**kwargs)
+
+
+# ---- Pareto k ------------------------------------------------------------------
+
+
+def normal_log_ratio(rng, proposal_scale, size, proposal_mean=0.0):
+    """log N(x; 0, 1) - log N(x; mean, scale) for x drawn from the proposal."""
+    x = rng.normal(proposal_mean, proposal_scale, size)
+    return -0.5 * x**2 + 0.5 * ((x - proposal_mean) / proposal_scale) ** 2 + np.log(proposal_scale)
+
+
+def test_light_tails_give_small_k():
+    rng = np.random.default_rng(0)
+    shifted = diagnostics.pareto_k(normal_log_ratio(rng, 1.0, 4000, proposal_mean=0.5))  # equal scales
+    assert shifted.k < 0.5 and shifted.verdict == "ok"
+    wide = diagnostics.pareto_k(normal_log_ratio(rng, 1.5, 4000))  # wider proposal: bounded ratios
+    assert wide.k < 0.5
+    equal = diagnostics.pareto_k(np.zeros(100))  # proposal = target: all weights equal
+    assert equal.k == -np.inf and equal.verdict == "ok"
+
+
+@pytest.mark.parametrize("xi", [0.8, 1.2])
+def test_pareto_weights_recover_their_shape(xi):
+    rng = np.random.default_rng(1)
+    weights = rng.pareto(1 / xi, size=(6, 20_000)) + 1  # a Pareto tail with shape xi
+    result = diagnostics.pareto_k(np.log(weights))
+    assert abs(result.k.mean() - xi) < 0.12, result.k
+    assert np.all(result.k > 0.7) and np.all(result.verdict == "degenerate")
+    assert result.threshold == pytest.approx(0.7)
+
+
+def test_narrow_proposal_is_heavy_tailed():
+    rng = np.random.default_rng(2)
+    result = diagnostics.pareto_k(normal_log_ratio(rng, 0.4, 4000))
+    assert result.k > 0.5
+
+
+def test_agrees_with_pyro_psis_fit():
+    """Pyro's psis_diagnostic fits its tail with fit_generalized_pareto the same way."""
+    from pyro.ops.stats import fit_generalized_pareto
+
+    rng = np.random.default_rng(3)
+    for log_w in (normal_log_ratio(rng, 0.7, 4000), np.log(rng.pareto(1.0, 4000) + 1)):
+        lw = torch.tensor(log_w - log_w.max()).sort().values
+        cutoff = lw[-int(math.ceil(min(0.2 * 4000, 3 * math.sqrt(4000)))) - 1]
+        tail = lw[lw > cutoff]
+        pyro_k, _ = fit_generalized_pareto(tail.exp() - cutoff.exp())
+        ours = diagnostics.pareto_k(log_w).k
+        assert abs(float(ours) - float(pyro_k)) < 0.05
+
+
+def test_too_few_draws_warn_and_give_nan():
+    with pytest.warns(UserWarning, match="at least 21 draws"):
+        result = diagnostics.pareto_k(np.zeros((2, 10)))
+    assert np.isnan(result.k).all() and (result.verdict == "unreliable").all()
+
+
+def test_pareto_k_bad_input():
+    with pytest.raises(ValueError, match="all -inf"):
+        diagnostics.pareto_k(np.full(100, -np.inf))
+    with pytest.raises(ValueError, match="NaN"):
+        diagnostics.pareto_k(np.array([0.0, np.nan] * 50))
+    with pytest.raises(ValueError, match="non-empty"):
+        diagnostics.pareto_k(np.array([]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        diagnostics.pareto_k(np.r_[np.zeros(99), -np.inf])  # some -inf weights are fine
+
+
+# ---- diversity -------------------------------------------------------------------
+
+
+def test_identical_tokens_are_fully_collapsed():
+    x = torch.randn(1, 1, 16).expand(2, 6, 16)
+    result = diagnostics.diversity(x)
+    torch.testing.assert_close(result.cosine, torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(result.effective_rank, torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(result.rank_one_distance, torch.zeros(2, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_orthogonal_tokens_have_zero_cosine_and_full_rank():
+    x = (torch.eye(8) * 3.0)[None, :5]
+    result = diagnostics.diversity(x)
+    assert result.cosine.item() == pytest.approx(0.0, abs=1e-12)
+    assert result.effective_rank.item() == pytest.approx(5.0)
+    assert result.rank_one_distance.item() > 0.5
+
+
+def test_padding_is_ignored():
+    x = torch.randn(1, 4, 8)
+    padded = torch.cat([x, torch.randn(1, 3, 8) * 100], 1)
+    mask = torch.tensor([[True] * 4 + [False] * 3])
+    a, b = diagnostics.diversity(x), diagnostics.diversity(padded, mask)
+    for name in ("cosine", "effective_rank", "rank_one_distance"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name))
+
+
+def test_diversity_bad_input():
+    with pytest.raises(ValueError, match=r"\[batch, tokens, width\]"):
+        diagnostics.diversity(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="at least one real token"):
+        diagnostics.diversity(torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="NaN"):
+        diagnostics.diversity(torch.full((1, 3, 4), math.nan))
