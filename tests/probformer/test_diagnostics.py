@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from probformer import diagnostics
 
-
 # ---- ESS ---------------------------------------------------------------------
 
 
