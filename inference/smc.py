@@ -80,15 +80,21 @@ def resample_indices(weights: torch.Tensor, method: str, generator: torch.Genera
                 fixed = torch.cat([fixed, drawn])
             ancestors[b] = fixed
         return ancestors
-    if method == "stratified":
-        u = torch.rand(B, N, device=device, dtype=dtype, generator=generator)
-    elif method == "systematic":
-        u = torch.rand(B, 1, device=device, dtype=dtype, generator=generator).expand(B, N)
-    else:
-        raise ValueError(f"unknown resampler {method!r}; allowed: {list(RESAMPLERS)}")
-    positions = (torch.arange(N, device=device, dtype=dtype) + u) / N
     cumulative = weights.cumsum(-1)
     cumulative[:, -1] = 1.0  # guard against rounding below the last position
+    if method == "systematic":
+        # Positions (i + u) / N pass particle j's cumulative weight c_j exactly for
+        # i >= floor(N c_j - u) + 1, so ancestor_i = #{j : that threshold <= i}: a
+        # histogram and a cumsum, O(N) instead of a binary search per position.
+        u = torch.rand(B, 1, device=device, dtype=dtype, generator=generator)
+        first = (torch.floor(N * cumulative - u) + 1).clamp(0, N).long()
+        counts = torch.zeros(B, N + 1, device=device, dtype=torch.long).scatter_add_(1, first, torch.ones_like(first))
+        return counts[:, :N].cumsum(-1).clamp(max=N - 1)
+    if method != "stratified":
+        raise ValueError(f"unknown resampler {method!r}; allowed: {list(RESAMPLERS)}")
+    positions = (
+        torch.arange(N, device=device, dtype=dtype) + torch.rand(B, N, device=device, dtype=dtype, generator=generator)
+    ) / N
     return torch.searchsorted(cumulative.contiguous(), positions.contiguous()).clamp(max=N - 1)
 
 

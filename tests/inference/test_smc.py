@@ -4,6 +4,8 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from scipy import stats
 
 from inference import SMC
@@ -261,3 +263,16 @@ def test_bad_arguments(kwargs, match):
 def test_degenerate_weights_raise(increment, match):
     with pytest.raises(ValueError, match=match):
         SMC(4).filter(lambda B: torch.zeros(B, 4), lambda t, x: (x, increment), num_steps=1)
+
+
+@given(n=st.integers(1, 60), seed=st.integers(0, 100_000), power=st.sampled_from([1, 4, 12]))
+def test_systematic_fast_path_equals_a_binary_search(n, seed, power):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(3, n, generator=g, dtype=torch.float64) ** power
+    w = w / w.sum(-1, keepdim=True)
+    fast = resample_indices(w, "systematic", torch.Generator().manual_seed(seed))
+    u = torch.rand(3, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    cumulative = w.cumsum(-1)
+    cumulative[:, -1] = 1.0
+    expected = torch.searchsorted(cumulative, ((torch.arange(n) + u) / n).contiguous()).clamp(max=n - 1)
+    assert torch.equal(fast, expected)
