@@ -7,3 +7,7 @@ from graphs import topology
 from graphs.crf import CRF, distance_groups
 
 __all__ = ["CRF", "distance_groups", "topology"]
+
+from graphs.particle_view import ParticleView  # noqa: E402
+
+__all__ += ["ParticleView"]

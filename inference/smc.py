@@ -158,12 +158,16 @@ class SMC:
 
     # ---- the core loop ----------------------------------------------------------------
 
-    def filter(self, init, step=None, num_steps: int | None = None, batch_size: int | None = None) -> SMCResult:
+    def filter(
+        self, init, step=None, num_steps: int | None = None, batch_size: int | None = None, init_args=()
+    ) -> SMCResult:
         """``filter(init, step, num_steps, batch_size=B)`` with tensor callables, or
         ``filter(model, data)`` / ``filter(model, data, batch_size=B)`` for a Pyro model
-        object (data ``[T, ...]`` for one filter, ``[B, T, ...]`` for B filters)."""
+        object (data ``[T, ...]`` for one filter, ``[B, T, ...]`` for B filters), or
+        ``filter(model, num_steps=T, batch_size=B, init_args=(...))`` for a model with no
+        observations (``model.init(state, *init_args)``, ``model.step(state)``)."""
         if hasattr(init, "init") and hasattr(init, "step"):
-            return self._filter_pyro(init, step, batch_size)
+            return self._filter_pyro(init, step, batch_size, num_steps, init_args)
         if not callable(init) or not callable(step):
             raise TypeError("filter takes (init, step, num_steps) callables or (model, data) for a Pyro model")
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
@@ -239,18 +243,26 @@ class SMC:
 
     # ---- Pyro state-space models ------------------------------------------------------
 
-    def _filter_pyro(self, model, data, batch_size) -> SMCResult:
-        """Run a Pyro model object (``init(state)``, ``step(state, y)``; latent sites drawn
-        from their prior: the bootstrap proposal) for the observations ``data``."""
-        if not isinstance(data, torch.Tensor) or data.dim() < 1:
-            raise ValueError("data must be a tensor of observations [T, ...] or [B, T, ...]")
-        if batch_size is None:
-            data = data[None]
-        elif data.shape[0] != batch_size:
-            raise ValueError(f"data must have shape [batch_size={batch_size}, T, ...], got {tuple(data.shape)}")
-        B, T = data.shape[:2]
+    def _filter_pyro(self, model, data, batch_size, num_steps, init_args) -> SMCResult:
+        """Run a Pyro model object (``init(state, *init_args)``, ``step(state[, y])``; latent
+        sites drawn from their prior: the bootstrap proposal)."""
+        if data is None:
+            if num_steps is None or batch_size is None:
+                raise ValueError("without data, give num_steps and batch_size")
+            B, T, event_shape = batch_size, num_steps, ()
+        else:
+            if not isinstance(data, torch.Tensor) or data.dim() < 1:
+                raise ValueError("data must be a tensor of observations [T, ...] or [B, T, ...]")
+            if batch_size is None:
+                data = data[None]
+            elif data.shape[0] != batch_size:
+                raise ValueError(f"data must have shape [batch_size={batch_size}, T, ...], got {tuple(data.shape)}")
+            B, T = data.shape[:2]
+            event_shape = data.shape[2:]
         N = self.num_particles
-        event_shape = data.shape[2:]
+        reference = data if data is not None else next((a for a in init_args if isinstance(a, torch.Tensor)), None)
+        dtype = reference.dtype if reference is not None else torch.get_default_dtype()
+        device = reference.device if reference is not None else None
 
         def flatten(state):
             return {k: v.reshape(B, N, *v.shape[1:]) for k, v in state.items()}
@@ -263,7 +275,7 @@ class SMC:
                 fn(state, *args)
             trace = tracer.trace
             trace.compute_log_prob()
-            increment = torch.zeros(B * N, dtype=data.dtype, device=data.device)
+            increment = torch.zeros(B * N, dtype=dtype, device=device)
             for site in trace.nodes.values():
                 if site["type"] == "sample" and site["is_observed"]:
                     increment = increment + site["log_prob"].reshape(B * N, -1).sum(-1)
@@ -271,13 +283,16 @@ class SMC:
 
         def init(_):
             state = {}
-            run(model.init, state)
+            run(model.init, state, *init_args)
             return flatten(state)
 
         def step(t, particles):
             state = unflatten(particles)
-            y = data[:, t].repeat_interleave(N, 0).reshape(B * N, *event_shape)
-            increment = run(model.step, state, y)
-            return flatten(state), increment
+            if data is None:
+                increment = run(model.step, state)
+            else:
+                y = data[:, t].repeat_interleave(N, 0).reshape(B * N, *event_shape)
+                increment = run(model.step, state, y)
+            return flatten(state), increment  # after the step has written the new state
 
         return self._run(init, step, T, B)

@@ -1,0 +1,51 @@
+"""The pre-LN transformer block shared by the non-CRF models (the Particle Transformer,
+the BERT-style and Universal-Transformer baselines)."""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Block"]
+
+
+class Block(nn.Module):
+    """x + attention(LN x), then + FFN(LN x). ``key_bias [B, n]`` is added to every
+    query's scores (padding: -inf); with ``return_attention`` the head-averaged
+    attention probabilities ``[B, n, n]`` are returned too (materialised), otherwise
+    torch's fused ``scaled_dot_product_attention`` is used."""
+
+    def __init__(self, width: int, heads: int, ffn_width: int, dropout: float = 0.0):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} must be divisible by heads {heads}")
+        self.heads, self.dropout = heads, dropout
+        self.attention_norm, self.ffn_norm = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.ffn = nn.Sequential(nn.Linear(width, ffn_width), nn.GELU(), nn.Linear(ffn_width, width))
+
+    def attend(self, x, key_bias, return_attention=False):
+        B, n, width = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).view(B, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        bias = key_bias[:, None, None, :].to(q.dtype)
+        p = self.dropout if self.training else 0.0
+        if not return_attention:
+            mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+            probs = None
+        else:
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + bias
+            probs = scores.softmax(-1)
+            mixed = F.dropout(probs, p, self.training) @ v
+            probs = probs.mean(1)
+        return self.out(mixed.transpose(1, 2).reshape(B, n, width)), probs
+
+    def transition(self, x):
+        return F.dropout(self.ffn(self.ffn_norm(x)), self.dropout, self.training)
+
+    def forward(self, x, key_bias, return_attention=False):
+        mixed, probs = self.attend(x, key_bias, return_attention)
+        x = x + F.dropout(mixed, self.dropout, self.training)
+        return x + self.transition(x), probs

@@ -1,0 +1,180 @@
+"""The Particle Transformer: a transformer's forward pass read as Sequential Monte Carlo.
+
+Layer l is time step l, the tokens of a sentence are its particles, attention scores
+are importance weights, and the FFN is the move that rejuvenates particles.
+
+- Weights: after each block, every token's log-weight grows by the log of the
+  attention mass it receives (``log sum_i A_ij``, mean 1 over real tokens) and is
+  carried into the next block as an additive attention bias (proper weighting).
+- Resampling: after every K blocks, in each sentence whose ESS / n falls below
+  ``ess_threshold`` (1.0: always), every position i draws an ancestor from its
+  attention row and adds the ancestor's state to its residual stream: heavily
+  attended tokens are duplicated, the rest fade; positions survive, so per-token
+  heads (MLM) still work. The draw is Gumbel straight-through (hard forward, soft
+  gradient) or Gumbel-softmax in training, argmax in eval (a fixed rule: exportable).
+  Log-weights reset to 0 where resampling happened.
+- Jitter: optional Gaussian noise of std ``jitter`` on the FFN move, in training.
+
+``forward`` returns the task logits and a per-layer ``trace`` (log-weights, ESS,
+resampled flags) for the diagnostics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from probformer.blocks import Block
+from probformer.heads import POOLINGS, TASKS, TaskHead
+
+__all__ = ["ParticleConfig", "ParticleTransformer", "RESAMPLING"]
+
+RESAMPLING = ("straight-through", "gumbel-softmax")
+
+
+@dataclass
+class ParticleConfig:
+    vocab_size: int
+    width: int = 256
+    heads: int = 8
+    layers: int = 4
+    ffn_width: int = 1024
+    max_length: int = 512
+    dropout: float = 0.1
+    resample_every: int = 2  # K
+    ess_threshold: float = 0.5
+    resampling: str = "straight-through"
+    temperature: float = 1.0
+    jitter: float = 0.0
+    task: str = "mlm"
+    num_classes: int = 0
+    pooling: str = "mean"
+
+    def __post_init__(self):
+        for name, minimum in (
+            ("vocab_size", 1),
+            ("width", 1),
+            ("heads", 1),
+            ("layers", 1),
+            ("ffn_width", 1),
+            ("max_length", 1),
+            ("resample_every", 1),
+            ("num_classes", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
+        if self.width % self.heads:
+            raise ValueError(f"config key 'width' ({self.width}) must be divisible by 'heads' ({self.heads})")
+        if not 0 <= self.ess_threshold <= 1:
+            raise ValueError(f"config key 'ess_threshold' must lie in [0, 1], got {self.ess_threshold!r}")
+        if self.resampling not in RESAMPLING:
+            raise ValueError(f"config key 'resampling' must be one of {list(RESAMPLING)}, got {self.resampling!r}")
+        if not self.temperature > 0 or self.jitter < 0 or not 0 <= self.dropout < 1:
+            raise ValueError("config keys 'temperature' > 0, 'jitter' >= 0, 'dropout' in [0, 1) are required")
+        if self.task not in TASKS or self.pooling not in POOLINGS or self.pooling == "root":
+            raise ValueError(f"config key 'task' must be one of {list(TASKS)} and 'pooling' 'mean'")
+        if self.task != "mlm" and self.num_classes < 1:
+            raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ParticleConfig:
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(f.name for f in fields(cls))}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def log_attention_mass(attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` log of the attention each real token receives, relative to the mean (1)."""
+    mass = (attention * mask[:, :, None]).sum(1)  # sums to the number of real tokens
+    return torch.where(mask, mass.clamp(min=1e-30).log(), -math.inf)
+
+
+def normalised_ess(log_weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` ESS / (number of real tokens) of per-token log-weights."""
+    ess = (2 * log_weights.logsumexp(-1) - (2 * log_weights).logsumexp(-1)).exp()
+    return ess / mask.sum(-1)
+
+
+class ParticleTransformer(nn.Module):
+    def __init__(self, config: ParticleConfig, generator: torch.Generator | None = None):
+        super().__init__()
+        self.config, self.generator = config, generator
+        self.embedding = nn.Embedding(config.vocab_size, config.width)
+        self.position = nn.Embedding(config.max_length, config.width)
+        self.blocks = nn.ModuleList(
+            Block(config.width, config.heads, config.ffn_width, config.dropout) for _ in range(config.layers)
+        )
+        self.resample_norm = nn.LayerNorm(config.width)
+        self.resample_value = nn.Linear(config.width, config.width)
+        self.final_norm = nn.LayerNorm(config.width)
+        outputs = config.vocab_size if config.task == "mlm" else config.num_classes
+        self.head = TaskHead(config.task, config.width, outputs, config.pooling)
+
+    def resample(self, x, attention, mask, active):
+        """Each position draws an ancestor from its attention row; rows of sentences that
+        are not ``active`` are left unchanged."""
+        logits = attention.clamp(min=1e-30).log().masked_fill(~mask[:, None, :], -math.inf)
+        if self.training:
+            u = torch.rand(logits.shape, device=x.device, dtype=logits.dtype, generator=self.generator)
+            scores = logits - (-u.clamp(min=1e-20).log()).log()  # + Gumbel noise
+            soft = (scores / self.config.temperature).softmax(-1)
+            if self.config.resampling == "straight-through":
+                hard = F.one_hot(scores.argmax(-1), x.shape[1]).to(soft.dtype)
+                choice = hard + soft - soft.detach()
+            else:
+                choice = soft
+        else:  # a fixed rule at inference: the most attended ancestor
+            choice = F.one_hot(logits.argmax(-1), x.shape[1]).to(x.dtype)
+        moved = x + choice @ self.resample_value(self.resample_norm(x))
+        return torch.where(active[:, None, None], moved, x)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
+        if tokens.dim() != 2 or tokens.dtype.is_floating_point:
+            raise ValueError(f"tokens must be integer ids of shape [batch, length], got {tuple(tokens.shape)}")
+        B, n = tokens.shape
+        if n > self.config.max_length:
+            raise ValueError(f"sequence length {n} exceeds max_length={self.config.max_length}")
+        mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
+        if not torch.compiler.is_compiling():
+            if ((tokens[mask] < 0) | (tokens[mask] >= self.config.vocab_size)).any():
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}) (vocab_size)")
+            if (~mask.any(1)).any():
+                raise ValueError("every row needs at least one real token")
+        tokens = tokens.masked_fill(~mask, 0)
+        x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
+        padding = torch.where(mask, 0.0, -math.inf).to(x.dtype)
+        log_weights = torch.zeros(B, n, device=x.device, dtype=x.dtype).masked_fill(~mask, -math.inf)
+        trace = {"log_weights": [], "ess": [], "resampled": []}
+        for index, block in enumerate(self.blocks):
+            bias = padding + log_weights.masked_fill(~mask, 0.0)  # proper weighting
+            mixed, attention = block.attend(x, bias, return_attention=True)
+            x = x + F.dropout(mixed, self.config.dropout, self.training)
+            move = block.transition(x)
+            if self.training and self.config.jitter:
+                move = move + self.config.jitter * torch.randn(
+                    move.shape, device=x.device, dtype=x.dtype, generator=self.generator
+                )
+            x = x + move
+            log_weights = log_weights + log_attention_mass(attention, mask)
+            log_weights = log_weights - log_weights.logsumexp(-1, keepdim=True) + mask.sum(-1, keepdim=True).log()
+            ess = normalised_ess(log_weights, mask)
+            resampled = torch.zeros(B, dtype=torch.bool, device=x.device)
+            if (index + 1) % self.config.resample_every == 0:
+                always = self.config.ess_threshold >= 1
+                resampled = torch.ones_like(resampled) if always else ess < self.config.ess_threshold
+                x = self.resample(x, attention, mask, resampled)
+                log_weights = torch.where(resampled[:, None] & mask, 0.0, log_weights)
+            trace["log_weights"].append(log_weights)
+            trace["ess"].append(ess)
+            trace["resampled"].append(resampled)
+        logits = self.head(self.final_norm(x), mask)
+        return logits, {k: torch.stack(v) for k, v in trace.items()}
