@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 
-__all__ = ["from_numpyro", "from_arrays", "ess", "rhat", "psislw"]
+__all__ = ["from_numpyro", "from_arrays", "from_datasets", "ess", "rhat", "psislw"]
 
 
 def _arviz():
@@ -52,3 +52,18 @@ def psislw(log_weights: np.ndarray, relative_efficiency: float = 1.0) -> tuple[n
     """
     smoothed, khat = _arviz().psislw(np.asarray(log_weights, dtype=float), reff=relative_efficiency)
     return np.asarray(smoothed), np.asarray(khat)
+
+
+def from_datasets(groups: dict[str, dict[str, tuple[list[str], np.ndarray]]], attrs: dict | None = None):
+    """``InferenceData`` with the given groups (names outside ArviZ's scheme are fine:
+    its warning about them is silenced), each ``{variable: (dims, array)}``."""
+    import xarray
+
+    az = _arviz()
+    datasets = {
+        name: xarray.Dataset({k: (dims, np.asarray(v)) for k, (dims, v) in variables.items()}, attrs=attrs or {})
+        for name, variables in groups.items()
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return az.InferenceData(**datasets)

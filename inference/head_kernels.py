@@ -93,7 +93,7 @@ def naive_logits(query, key, scale, structure: HeadStructure) -> torch.Tensor:
     return logits.masked_fill(~structure.arcs[:, None], -math.inf)
 
 
-def _softmax_with_null(logits: torch.Tensor, has_head: torch.Tensor):
+def softmax_with_null(logits: torch.Tensor, has_head: torch.Tensor):
     """Row softmax and log-normaliser with a null column of logit 0 on rows without heads."""
     null = torch.where(has_head, -math.inf, 0.0).to(logits.dtype)[:, None, :, None]
     null = null.expand(*logits.shape[:-1], 1)
@@ -119,7 +119,7 @@ def naive(
     logits = naive_logits(query, key, scale, structure)
     if damping and previous_logits is not None:
         logits = damping * previous_logits + (1 - damping) * logits
-    probs, lse = _softmax_with_null(logits, structure.has_head)
+    probs, lse = softmax_with_null(logits, structure.has_head)
     if step_size != 1.0 and previous_probs is not None:
         probs = (1 - step_size) * previous_probs + step_size * probs
     kept = probs
@@ -325,5 +325,5 @@ def fused(query, key, value, value_rev, scale: float, structure: HeadStructure) 
 def log_normaliser(query, key, scale: float, structure: HeadStructure, kernel: str) -> torch.Tensor:
     """``[B, C, N]`` row log-normalisers only (0 on rows with no legal head)."""
     if kernel == "naive":
-        return _softmax_with_null(naive_logits(query, key, scale, structure), structure.has_head)[1]
+        return softmax_with_null(naive_logits(query, key, scale, structure), structure.has_head)[1]
     return fused(query, key, key, query, scale, structure).lse

@@ -307,16 +307,17 @@ class MeanField(nn.Module):
         q_z = logits.softmax(-1) * structure.nodes[..., None]
         q_g = self.topic(q_z, mask)[0] if self.crf.global_labels else None
 
-        def head_marginals():
-            if last.probs is not None:
-                return last.probs
+        def head_marginals(messages=last):
+            if messages.probs is not None:
+                return messages.probs
             scale = self.scales()["attention"]
-            logits_h = head_kernels.naive_logits(last.query, last.key, scale, structure)
-            return head_kernels._softmax_with_null(logits_h, structure.has_head)[0]
+            logits_h = head_kernels.naive_logits(messages.query, messages.key, scale, structure)
+            return head_kernels.softmax_with_null(logits_h, structure.has_head)[0]
 
         def trace():
             per_iteration = torch.stack([self.elbo(x, unary, mask, structure, kernel) for x in history])
-            return {"elbo": per_iteration, **extra}
+            heads = torch.stack([head_marginals(m) for m in extra["heads"]])
+            return {**extra, "elbo": per_iteration, "logits": torch.stack(history), "heads": heads}
 
         return Posterior(
             z=q_z,
@@ -334,7 +335,7 @@ class MeanField(nn.Module):
         nodes = structure.nodes[..., None]
         logits, used_q, heads = unary, None, None
         lagged = None  # parallel: projections (and labels) of the previous iteration
-        history, deltas = [], []
+        history, deltas, all_heads = [], [], []
         for _ in range(self.iterations):
             q_z = logits.softmax(-1)
             if used_q is not None and alpha_z != 1.0:
@@ -355,14 +356,15 @@ class MeanField(nn.Module):
                 logits = F.dropout(logits, self.dropout, self.training)
             deltas.append((logits.softmax(-1) - used_q).abs().amax((1, 2)))
             history.append(logits)
-        return logits, heads, history, {"max_delta": torch.stack(deltas).detach()}
+            all_heads.append(heads)
+        return logits, heads, history, {"max_delta": torch.stack(deltas).detach(), "heads": all_heads}
 
     def _sequential(self, unary, mask, structure, kernel):
         """Coordinate ascent: refresh every head and global marginal, then one node's labels."""
         nodes = structure.nodes
         logits = unary.clone()
         q_z = logits.softmax(-1) * nodes[..., None]
-        history, steps, deltas = [], [], []
+        history, steps, deltas, all_heads = [], [], [], []
         heads = None
         for _ in range(self.iterations):
             start = q_z
@@ -380,5 +382,10 @@ class MeanField(nn.Module):
                 steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure))
             history.append(logits)
             deltas.append((q_z - start).abs().amax((1, 2)))
-        extra = {"elbo_steps": torch.stack(steps).detach(), "max_delta": torch.stack(deltas).detach()}
+            all_heads.append(heads)
+        extra = {
+            "elbo_steps": torch.stack(steps).detach(),
+            "max_delta": torch.stack(deltas).detach(),
+            "heads": all_heads,
+        }
         return logits, heads, history, extra

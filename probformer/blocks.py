@@ -13,8 +13,8 @@ __all__ = ["Block"]
 
 class Block(nn.Module):
     """x + attention(LN x), then + FFN(LN x). ``key_bias [B, n]`` is added to every
-    query's scores (padding: -inf); with ``return_attention`` the head-averaged
-    attention probabilities ``[B, n, n]`` are returned too (materialised), otherwise
+    query's scores (padding: -inf); with ``return_attention`` the attention
+    probabilities ``[B, heads, n, n]`` are returned too (materialised), otherwise
     torch's fused ``scaled_dot_product_attention`` is used."""
 
     def __init__(self, width: int, heads: int, ffn_width: int, dropout: float = 0.0):
@@ -39,7 +39,6 @@ class Block(nn.Module):
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + bias
             probs = scores.softmax(-1)
             mixed = F.dropout(probs, p, self.training) @ v
-            probs = probs.mean(1)
         return self.out(mixed.transpose(1, 2).reshape(B, n, width)), probs
 
     def transition(self, x):

@@ -4,15 +4,81 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="probformer", description="Transformers from inference.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="oracles on a real sentence, then a short PT training run on PTB")
     demo.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
+    diagnose = commands.add_parser("diagnose", help="per-layer ESS, Pareto k-hat, diversity and ELBO of a checkpoint")
+    diagnose.add_argument("checkpoint", help="a checkpoint directory (config.json, model.safetensors, vocabulary.json)")
+    diagnose.add_argument(
+        "--data", required=True, help="a text file (one sentence per line) or ptb-train|ptb-valid|ptb-test"
+    )
+    diagnose.add_argument("--out", required=True, help="directory for report.nc and the PNG figures")
+    diagnose.add_argument("--sentences", type=int, default=16, help="how many sentences to diagnose (default 16)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from probformer import demo as demo_module
 
         return demo_module.main(args.seconds)
+    if args.command == "diagnose":
+        return run_diagnose(args.checkpoint, args.data, args.out, args.sentences)
     return 2
+
+
+def read_sentences(data: str) -> list[list[str]]:
+    """Sentences from ``ptb-<split>`` or a text file with one sentence per line."""
+    from pathlib import Path
+
+    from probformer.data import ptb_sentences
+
+    if data.startswith("ptb-"):
+        return ptb_sentences(data[4:])
+    path = Path(data)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {data!r} is neither ptb-<split> nor an existing file")
+    sentences = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    if not sentences:
+        raise ValueError(f"--data {data!r} holds no sentences")
+    return sentences
+
+
+def run_diagnose(checkpoint: str, data: str, out: str, count: int) -> int:
+    from pathlib import Path
+
+    from probformer import checkpoint as checkpoints
+    from probformer import data as text
+    from probformer import diagnostics
+
+    if count < 1:
+        raise ValueError(f"--sentences must be >= 1, got {count}")
+    model, vocabulary = checkpoints.load(checkpoint)
+    if vocabulary is None:
+        raise ValueError(f"{checkpoint} has no vocabulary.json: cannot turn --data text into token ids")
+    limit = getattr(model.config, "max_length", 512)
+    sentences = [s for s in read_sentences(data) if 0 < len(s) <= limit][:count]
+    if not sentences:
+        raise ValueError(f"no sentence of --data fits the model's max_length={limit}")
+    tokens, mask = next(text.batches(sentences, vocabulary, batch_size=len(sentences), max_length=limit))
+    report = diagnostics.report(model, tokens, mask)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report.to_netcdf(str(out_dir / "report.nc"))
+    figures = diagnostics.plot_report(report, out_dir)
+    ess, k, div = report["ess"], report["pareto_k"], report["diversity"]
+    print(f"{type(model).__name__} on {len(sentences)} sentences of {data}")
+    print("layer  ESS(received)/n  k-hat(mass)  cosine  eff.rank  dist(rank-1)")
+    for layer in range(ess.sizes["layer"]):
+        print(
+            f"{layer:5d}  {float(ess['columns'][layer].mean()):15.3f}"
+            f"  {float(np.nanmean(k['attention_mass'][layer])):11.3f}"
+            f"  {float(div['cosine'][layer]):6.3f}  {float(div['effective_rank'][layer]):8.2f}"
+            f"  {float(div['rank_one_distance'][layer]):12.3f}"
+        )
+    if "elbo" in report.groups():
+        print("ELBO per iteration: " + " ".join(f"{v:.2f}" for v in report["elbo"]["elbo"].values))
+    print(f"wrote {out_dir / 'report.nc'} and {', '.join(Path(f).name for f in figures)}")
+    return 0

@@ -5,6 +5,14 @@ when token representations collapse (over-smoothing).
     pareto_k(log_weights)                 PSIS Pareto k-hat through ArviZ, with a verdict
     diversity(hidden, mask)               cosine similarity, effective rank, distance to
                                           the all-tokens-equal subspace
+    report(model, tokens, mask)           all of it per layer (and head), as ArviZ InferenceData
+    plot_report(report, directory)        PNG figures of a report
+
+The report protocol: a model offers ``diagnostic_trace(tokens, mask)`` returning a
+dict with ``hidden [L, B, n, D]`` (token states per layer), ``attention
+[L, B, H, n, n]`` (per head), and optionally ``log_weights [L, B, n]`` (SMC
+importance weights) and ``elbo [T, B]`` (mean-field bound per iteration). Both
+``ProbabilisticTransformer`` and ``ParticleTransformer`` do.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 
 from inference import arviz_interop
 
-__all__ = ["ess", "pareto_k", "ParetoK", "diversity", "Diversity", "MIN_PSIS_DRAWS"]
+__all__ = ["ess", "pareto_k", "ParetoK", "diversity", "Diversity", "MIN_PSIS_DRAWS", "report", "plot_report"]
 
 # ArviZ fits the generalised Pareto to the ceil(min(S / 5, 3 sqrt(S))) largest weights
 # and needs at least 5 of them: S >= 21.
@@ -152,3 +160,135 @@ def diversity(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> Diversi
     norm = x.norm(dim=(1, 2))
     distance = torch.where(norm > 0, residual / norm.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
     return Diversity(cosine, effective_rank, distance)
+
+
+def report(model, tokens: torch.Tensor, mask: torch.Tensor | None = None):
+    """Per-layer diagnostics of ``model`` on one batch, as an ArviZ ``InferenceData`` with
+    groups ``ess`` (rows: mean normalised ESS of each query's attention row; columns:
+    normalised ESS of the attention mass each token receives), ``pareto_k`` (k-hat of the
+    log attention mass received, per layer and head, mean over sentences; and of the SMC
+    log-weights when the model has them), ``diversity`` (mean over sentences) and, for
+    mean field, ``elbo`` (mean per iteration)."""
+    if not hasattr(model, "diagnostic_trace"):
+        raise TypeError(f"{type(model).__name__} does not offer diagnostic_trace(tokens, mask)")
+    mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        trace = model.diagnostic_trace(tokens, mask)
+    model.train(was_training)
+    attention = trace["attention"].double()  # [L, B, H, n, n]
+    L, B, H, n, _ = attention.shape
+    real = mask.to(attention.dtype)
+    count = real.sum(-1)  # [B]
+
+    row_ess = ess(attention.clamp(min=0) + 1e-300 * real[None, :, None, None, :], dim=-1)  # [L, B, H, n]
+    row_ess = row_ess / count[None, :, None, None]
+    rows = (row_ess * real[None, :, None, :]).sum(-1) / count[None, :, None]  # [L, B, H]
+    mass = (attention * real[None, :, None, :, None]).sum(-2)  # [L, B, H, n] received
+    columns = ess(mass + 1e-300 * real[None, :, None, :], dim=-1) / count[None, :, None]
+    log_mass = torch.where(mask[None, :, None, :], mass.clamp(min=1e-300).log(), -math.inf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # short sentences: nan k-hat, flagged below
+        k_mass = pareto_k(log_mass).k  # [L, B, H]
+    groups = {
+        "ess": {
+            "rows": (["layer", "head"], rows.mean(1).numpy()),
+            "columns": (["layer", "head"], columns.mean(1).numpy()),
+        },
+        "pareto_k": {"attention_mass": (["layer", "head"], _nanmean(k_mass, axis=1))},
+        "diversity": {},
+    }
+    if "log_weights" in trace:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            k_weights = pareto_k(trace["log_weights"].double()).k  # [L, B]
+        groups["pareto_k"]["log_weights"] = (["layer"], _nanmean(k_weights, axis=1))
+    per_layer = [diversity(trace["hidden"][layer], mask) for layer in range(trace["hidden"].shape[0])]
+    for name in ("cosine", "effective_rank", "rank_one_distance"):
+        groups["diversity"][name] = (["layer"], torch.stack([getattr(d, name).mean() for d in per_layer]).numpy())
+    if "elbo" in trace:
+        groups["elbo"] = {"elbo": (["iteration"], trace["elbo"].double().mean(1).numpy())}
+    attrs = {
+        "model": type(model).__name__,
+        "sentences": B,
+        "max_length": n,
+        "pareto_k_threshold": min(1 - 1 / math.log10(n), 0.7) if n > 1 else float("nan"),
+        "pareto_k_reliable": int(int(count.min()) >= MIN_PSIS_DRAWS),
+    }
+    return arviz_interop.from_datasets(groups, attrs)
+
+
+def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-nan slices stay nan
+        return np.nanmean(np.where(np.isfinite(values), values, np.nan), axis=axis)
+
+
+def plot_report(data, directory) -> list[str]:
+    """Write ess.png, pareto_k.png, diversity.png (and elbo.png) of a ``report``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def figure(name, draw):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax)
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        handles, _ = ax.get_legend_handles_labels()
+        if 0 < len(handles) <= 10:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = directory / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(str(path))
+
+    def per_head(ax, array, title, ylabel):
+        layers = np.arange(array.shape[0])
+        for head in range(array.shape[1]):
+            ax.plot(layers, array[:, head], marker="o", alpha=0.6, label=f"head {head}")
+        ax.set(title=title, xlabel="layer", ylabel=ylabel)
+
+    ess_group = data["ess"]
+    figure(
+        "ess", lambda ax: per_head(ax, ess_group["columns"].values, "ESS of attention received / n", "normalised ESS")
+    )
+    k = data["pareto_k"]
+
+    def draw_k(ax):
+        per_head(ax, k["attention_mass"].values, "Pareto k-hat of attention mass", "k-hat")
+        if "log_weights" in k:
+            ax.plot(k["log_weights"].values, "k-", linewidth=2, label="SMC log-weights")
+        ax.axhline(k.attrs.get("pareto_k_threshold", 0.7), color="red", linestyle="--", label="threshold")
+
+    figure("pareto_k", draw_k)
+    div = data["diversity"]
+
+    def draw_diversity(ax):
+        for name in ("cosine", "rank_one_distance"):
+            ax.plot(div[name].values, marker="o", label=name)
+        ax.set(title="representation diversity per layer", xlabel="layer")
+        twin = ax.twinx()
+        twin.plot(div["effective_rank"].values, "g--", marker="s", label="effective rank")
+        twin.set_ylabel("effective rank")
+        twin.legend(loc="upper right", fontsize=7)
+
+    figure("diversity", draw_diversity)
+    if "elbo" in data.groups():
+        figure(
+            "elbo",
+            lambda ax: (
+                ax.plot(data["elbo"]["elbo"].values, marker="o"),
+                ax.set(title="mean-field ELBO", xlabel="iteration", ylabel="ELBO"),
+            ),
+        )
+    return written

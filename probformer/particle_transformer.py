@@ -16,7 +16,7 @@ are importance weights, and the FFN is the move that rejuvenates particles.
 - Jitter: optional Gaussian noise of std ``jitter`` on the FFN move, in training.
 
 ``forward`` returns the task logits and a per-layer ``trace`` (log-weights, ESS,
-resampled flags) for the diagnostics.
+resampled flags, token states, per-head attention) for the diagnostics.
 """
 
 from __future__ import annotations
@@ -153,10 +153,11 @@ class ParticleTransformer(nn.Module):
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
         padding = torch.where(mask, 0.0, -math.inf).to(x.dtype)
         log_weights = torch.zeros(B, n, device=x.device, dtype=x.dtype).masked_fill(~mask, -math.inf)
-        trace = {"log_weights": [], "ess": [], "resampled": []}
+        trace = {"log_weights": [], "ess": [], "resampled": [], "hidden": [], "attention": []}
         for index, block in enumerate(self.blocks):
             bias = padding + log_weights.masked_fill(~mask, 0.0)  # proper weighting
-            mixed, attention = block.attend(x, bias, return_attention=True)
+            mixed, per_head = block.attend(x, bias, return_attention=True)
+            attention = per_head.mean(1)
             x = x + F.dropout(mixed, self.config.dropout, self.training)
             move = block.transition(x)
             if self.training and self.config.jitter:
@@ -176,5 +177,14 @@ class ParticleTransformer(nn.Module):
             trace["log_weights"].append(log_weights)
             trace["ess"].append(ess)
             trace["resampled"].append(resampled)
+            trace["hidden"].append(x)
+            trace["attention"].append(per_head)
         logits = self.head(self.final_norm(x), mask)
         return logits, {k: torch.stack(v) for k, v in trace.items()}
+
+    def diagnostic_trace(self, tokens, mask=None) -> dict:
+        """The diagnostics protocol (``probformer.diagnostics.report``): per layer the
+        token states ``hidden [L, B, n, D]``, attention ``[L, B, H, n, n]`` and the
+        importance log-weights ``[L, B, n]``."""
+        _, trace = self(tokens, mask)
+        return {"hidden": trace["hidden"], "attention": trace["attention"], "log_weights": trace["log_weights"]}

@@ -108,3 +108,12 @@ class ProbabilisticTransformer(nn.Module):
         tokens, mask = self.crf.check_inputs(tokens, mask)
         posterior = self.mean_field(tokens, mask)
         return self.head(posterior.logits, mask), posterior
+
+    def diagnostic_trace(self, tokens, mask=None) -> dict:
+        """The diagnostics protocol (``probformer.diagnostics.report``): per iteration the
+        token label logits ``hidden [T, B, n, d]``, the head marginals (attention)
+        ``[T, B, C, n, n]`` and the mean-field ELBO ``[T, B]``."""
+        tokens, mask = self.crf.check_inputs(tokens, mask)
+        trace = self.mean_field(tokens, mask).trace
+        n = tokens.shape[1]
+        return {"hidden": trace["logits"][:, :, :n], "attention": trace["heads"][..., :n, :n], "elbo": trace["elbo"]}

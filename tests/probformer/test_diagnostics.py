@@ -157,3 +157,57 @@ def test_diversity_bad_input():
         diagnostics.diversity(torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="NaN"):
         diagnostics.diversity(torch.full((1, 3, 4), math.nan))
+
+
+# ---- report, plots, CLI ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["pt", "particle"])
+def test_report_has_every_group_and_plots_are_written(kind, tmp_path):
+    import probformer as pf
+
+    torch.manual_seed(0)
+    if kind == "pt":
+        model = pf.ProbabilisticTransformer(pf.PTConfig(vocab_size=30, labels=8, channels=2, rank=2, iterations=3))
+    else:
+        model = pf.ParticleTransformer(pf.ParticleConfig(vocab_size=30, width=16, heads=2, layers=3, ffn_width=32))
+    tokens = torch.randint(0, 30, (3, 24))
+    mask = torch.ones(3, 24, dtype=torch.bool)
+    mask[2, 20:] = False
+    report = diagnostics.report(model, tokens, mask)
+    assert report["ess"]["columns"].shape == (3, 2) and report["ess"]["rows"].shape == (3, 2)
+    assert report["pareto_k"]["attention_mass"].shape == (3, 2)
+    assert set(report["diversity"].data_vars) == {"cosine", "effective_rank", "rank_one_distance"}
+    assert ("elbo" in report.groups()) == (kind == "pt")
+    assert ("log_weights" in report["pareto_k"]) == (kind == "particle")
+    values = report["ess"]["columns"].values
+    assert np.all((values > 0) & (values <= 1 + 1e-9))
+    paths = diagnostics.plot_report(report, tmp_path)
+    assert len(paths) == (4 if kind == "pt" else 3)
+    for path in paths:
+        assert (tmp_path / path.split("/")[-1]).stat().st_size > 1000
+    report.to_netcdf(str(tmp_path / "report.nc"))
+
+
+def test_report_needs_the_protocol():
+    with pytest.raises(TypeError, match="does not offer diagnostic_trace"):
+        diagnostics.report(torch.nn.Linear(2, 2), torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_diagnose_cli_writes_the_report(tmp_path, capsys):
+    import probformer as pf
+    from probformer import checkpoint, cli, data
+
+    sentences = data.ptb_sentences("valid")[:50]
+    vocab = data.Vocabulary.build(sentences)
+    torch.manual_seed(0)
+    model = pf.ProbabilisticTransformer(pf.PTConfig(vocab_size=len(vocab), labels=8, channels=2, rank=2, iterations=2))
+    checkpoint.save(model, tmp_path / "ck", vocab)
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(" ".join(s) for s in sentences[:5]) + "\n")
+    assert cli.main(["diagnose", str(tmp_path / "ck"), "--data", str(text), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "ProbabilisticTransformer on 5 sentences" in out and "ELBO per iteration" in out
+    assert (tmp_path / "out" / "report.nc").stat().st_size > 0
+    with pytest.raises(FileNotFoundError, match="neither ptb-<split> nor an existing file"):
+        cli.main(["diagnose", str(tmp_path / "ck"), "--data", "nowhere.txt", "--out", str(tmp_path / "o2")])

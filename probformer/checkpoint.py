@@ -1,0 +1,106 @@
+"""Checkpoints: a directory with ``config.json`` (format, model kind, config),
+``model.safetensors`` (weights; never pickle) and optionally ``vocabulary.json``.
+Every file is written to a temporary name and renamed into place, so a killed
+process leaves either the old file or the new one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from probformer.data import Vocabulary
+from probformer.particle_transformer import ParticleConfig, ParticleTransformer
+from probformer.probabilistic_transformer import ProbabilisticTransformer, PTConfig
+
+__all__ = ["save", "load", "MODELS", "FORMAT"]
+
+FORMAT = "probformer-checkpoint/1"
+MODELS = {
+    "probabilistic_transformer": (PTConfig, ProbabilisticTransformer),
+    "particle_transformer": (ParticleConfig, ParticleTransformer),
+}
+
+
+def _kind(model) -> str:
+    for kind, (_, cls) in MODELS.items():
+        if isinstance(model, cls):
+            return kind
+    raise ValueError(f"cannot checkpoint a {type(model).__name__}; known models: {sorted(MODELS)}")
+
+
+def _unique_state(model) -> dict:
+    """The state dict with every shared tensor once (the PT's ``crf`` is also
+    ``mean_field.crf``): safetensors refuses aliased tensors."""
+    seen, unique = set(), {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor
+    return unique
+
+
+def _atomic_write(path: Path, write) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(temporary)
+    os.replace(temporary, path)
+
+
+def save(model, directory, vocabulary: Vocabulary | None = None) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().contiguous().cpu() for k, v in _unique_state(model).items()}
+    _atomic_write(directory / "model.safetensors", lambda p: save_file(weights, str(p)))
+    meta = {"format": FORMAT, "model": _kind(model), "config": model.config.to_dict()}
+    _atomic_write(directory / "config.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+    if vocabulary is not None:
+        _atomic_write(directory / "vocabulary.json", lambda p: p.write_text(json.dumps(vocabulary.words)))
+    return directory
+
+
+def load(directory):
+    """``(model, vocabulary or None)`` from a checkpoint directory; a clear error for
+    anything that is not one."""
+    directory = Path(directory)
+    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"not a probformer checkpoint: {path} is missing")
+    try:
+        meta = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(
+            f"{config_path}: format must be {FORMAT!r}, got {meta.get('format') if isinstance(meta, dict) else meta!r}"
+        )
+    if meta.get("model") not in MODELS:
+        raise ValueError(f"{config_path}: unknown model {meta.get('model')!r}; known: {sorted(MODELS)}")
+    config_cls, model_cls = MODELS[meta["model"]]
+    model = model_cls(config_cls.from_dict(meta.get("config", {})))
+    try:
+        weights = load_file(str(weights_path))
+    except Exception as error:  # safetensors raises its own errors on truncated or foreign files
+        raise ValueError(f"{weights_path} is not a readable safetensors file: {error}") from None
+    expected = _unique_state(model)
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    wrong = [k for k in expected if expected[k].shape != weights[k].shape]
+    if wrong:
+        raise ValueError(
+            f"{weights_path}: shape mismatch for {wrong[:5]} (e.g. {wrong[0]}: "
+            f"{tuple(weights[wrong[0]].shape)} vs {tuple(expected[wrong[0]].shape)})"
+        )
+    model.load_state_dict(weights, strict=False)  # aliases of the saved tensors fill themselves
+    vocabulary = None
+    if (directory / "vocabulary.json").is_file():
+        vocabulary = Vocabulary(json.loads((directory / "vocabulary.json").read_text()))
+        if len(vocabulary) != model.config.vocab_size:
+            raise ValueError(
+                f"vocabulary has {len(vocabulary)} words but the model's vocab_size is {model.config.vocab_size}"
+            )
+    return model, vocabulary
