@@ -124,7 +124,6 @@ def matmul_throughput() -> float:
 
 def svi_vs_mean_field():
     import pyro
-    import pyro.distributions as dist
     from pyro.infer import SVI, TraceEnum_ELBO
     from pyro.optim import Adam
 
@@ -153,16 +152,7 @@ def svi_vs_mean_field():
             inference.MeanField(crf, iterations=20, schedule="async")(tokens).elbo.sum().item()
     mean_field_time = (time.perf_counter() - start) / reps
 
-    latent = [f"z_{i}" for i in range(n)] + [f"g_{i}" for i in range(n)] + [f"h_0_{i}" for i in range(n)]
-
-    def guide(tokens, mask=None):
-        with pyro.plate("batch", B, dim=-1):
-            for name in latent:
-                size = n if name.startswith("h") else 2
-                logits = pyro.param(f"q_{name}", torch.zeros(B, size))
-                if name.startswith("h"):
-                    logits = logits.index_fill(-1, torch.tensor([int(name.split("_")[-1])]), -math.inf)
-                pyro.sample(name, dist.Categorical(logits=logits), infer={"enumerate": "parallel"})
+    guide = inference.mean_field_guide(crf, tokens)
 
     elbo = TraceEnum_ELBO(max_plate_nesting=1)
     svi = SVI(crf.model, guide, Adam({"lr": 0.1}), elbo)

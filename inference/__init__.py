@@ -20,3 +20,7 @@ __all__ += ["MeanField", "MessageWeights", "MupScales"]
 from inference.smc import SMC, SMCResult  # noqa: E402
 
 __all__ += ["SMC", "SMCResult"]
+
+from inference.svi import mean_field_guide  # noqa: E402
+
+__all__ += ["mean_field_guide"]

@@ -22,13 +22,14 @@ resampled flags, token states, per-head attention) for the diagnostics.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from probformer.blocks import Block
+from probformer.config import ConfigMixin
 from probformer.heads import POOLINGS, TASKS, TaskHead
 
 __all__ = ["ParticleConfig", "ParticleTransformer", "RESAMPLING"]
@@ -37,7 +38,7 @@ RESAMPLING = ("straight-through", "gumbel-softmax")
 
 
 @dataclass
-class ParticleConfig:
+class ParticleConfig(ConfigMixin):
     vocab_size: int
     width: int = 256
     heads: int = 8
@@ -55,19 +56,18 @@ class ParticleConfig:
     pooling: str = "mean"
 
     def __post_init__(self):
-        for name, minimum in (
-            ("vocab_size", 1),
-            ("width", 1),
-            ("heads", 1),
-            ("layers", 1),
-            ("ffn_width", 1),
-            ("max_length", 1),
-            ("resample_every", 1),
-            ("num_classes", 0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
+        self.check_integers(
+            {
+                "vocab_size": 1,
+                "width": 1,
+                "heads": 1,
+                "layers": 1,
+                "ffn_width": 1,
+                "max_length": 1,
+                "resample_every": 1,
+                "num_classes": 0,
+            }
+        )
         if self.width % self.heads:
             raise ValueError(f"config key 'width' ({self.width}) must be divisible by 'heads' ({self.heads})")
         if not 0 <= self.ess_threshold <= 1:
@@ -80,16 +80,6 @@ class ParticleConfig:
             raise ValueError(f"config key 'task' must be one of {list(TASKS)} and 'pooling' 'mean'")
         if self.task != "mlm" and self.num_classes < 1:
             raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> ParticleConfig:
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(f.name for f in fields(cls))}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def log_attention_mass(attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -11,20 +11,21 @@ logits. ``mup=True`` switches to μP's scalings (see ``inference.MupScales``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import graphs
 import inference
+from probformer.config import ConfigMixin
 from probformer.heads import POOLINGS, TASKS, TaskHead
 
 __all__ = ["PTConfig", "ProbabilisticTransformer"]
 
 
 @dataclass
-class PTConfig:
+class PTConfig(ConfigMixin):
     vocab_size: int
     labels: int = 384  # d: the width
     channels: int = 16  # C: attention heads
@@ -43,19 +44,18 @@ class PTConfig:
     pooling: str = "mean"
 
     def __post_init__(self):
-        for name, minimum in (
-            ("vocab_size", 1),
-            ("labels", 1),
-            ("channels", 1),
-            ("rank", 1),
-            ("global_labels", 0),
-            ("gamma", 0),
-            ("iterations", 1),
-            ("num_classes", 0),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
+        self.check_integers(
+            {
+                "vocab_size": 1,
+                "labels": 1,
+                "channels": 1,
+                "rank": 1,
+                "global_labels": 0,
+                "gamma": 0,
+                "iterations": 1,
+                "num_classes": 0,
+            }
+        )
         if self.task not in TASKS:
             raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
         if self.pooling not in POOLINGS:
@@ -64,17 +64,6 @@ class PTConfig:
             raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
         if self.pooling == "root" and "root()" not in graphs.topology.parse(self.topology).name:
             raise ValueError("config key 'pooling'='root' needs a ROOT node: add '| root()' to 'topology'")
-
-    @classmethod
-    def from_dict(cls, values: dict) -> PTConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(known)}")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class ProbabilisticTransformer(nn.Module):
