@@ -61,8 +61,8 @@ class HeadStructure:
 
 @dataclass
 class HeadMessages:
-    forward: torch.Tensor  # [B, N, K, C, r]
-    reverse: torch.Tensor  # [B, N, K, C, r]
+    forward: torch.Tensor | None  # [B, N, K, C, r] (None when only lse was asked for)
+    reverse: torch.Tensor | None  # [B, N, K, C, r]
     lse: torch.Tensor  # [B, C, N]
     probs: torch.Tensor | None = None  # [B, C, N, N] (naive only)
     logits: torch.Tensor | None = None  # [B, C, N, N] (naive only; for damping)
@@ -235,7 +235,7 @@ def _far_masks(structure: HeadStructure):
     return sides
 
 
-def fused(query, key, value, value_rev, scale: float, structure: HeadStructure) -> HeadMessages:
+def fused(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool = True) -> HeadMessages:
     B, N, K, C, r = query.shape
     n, gamma = structure.n, structure.gamma
     m = N - n
@@ -288,6 +288,9 @@ def fused(query, key, value, value_rev, scale: float, structure: HeadStructure) 
     else:
         lse = lse_tokens
 
+    if not messages:  # the ELBO needs only the normalisers: skip the reverse attentions
+        return HeadMessages(None, None, torch.where(has_head[:, None], lse, 0.0), query=query, key=key)
+
     # 3. messages
     forward = [query.new_zeros(B, C, N, r) for _ in range(K)]
     reverse = [query.new_zeros(B, C, N, r) for _ in range(K)]
@@ -326,4 +329,4 @@ def log_normaliser(query, key, scale: float, structure: HeadStructure, kernel: s
     """``[B, C, N]`` row log-normalisers only (0 on rows with no legal head)."""
     if kernel == "naive":
         return softmax_with_null(naive_logits(query, key, scale, structure), structure.has_head)[1]
-    return fused(query, key, key, query, scale, structure).lse
+    return fused(query, key, key, query, scale, structure, messages=False).lse

@@ -61,8 +61,7 @@ def batches(
     too_long = [i for i, s in enumerate(encoded) if len(s) > max_length]
     if too_long:
         raise ValueError(f"{len(too_long)} sentences exceed max_length={max_length} (first: #{too_long[0]})")
-    order = torch.randperm(len(encoded), generator=generator).tolist() if shuffle else range(len(encoded))
-    order = list(order)
+    order = torch.randperm(len(encoded), generator=generator).tolist() if shuffle else list(range(len(encoded)))
     for start in range(0, len(order), batch_size):
         chunk = [encoded[i] for i in order[start : start + batch_size]]
         n = max(len(s) for s in chunk)

@@ -182,11 +182,13 @@ def report(model, tokens: torch.Tensor, mask: torch.Tensor | None = None):
     real = mask.to(attention.dtype)
     count = real.sum(-1)  # [B]
 
-    row_ess = ess(attention.clamp(min=0) + 1e-300 * real[None, :, None, None, :], dim=-1)  # [L, B, H, n]
+    # padded query rows have no attention at all: give them uniform rows, averaged out below
+    rows_in = torch.where(mask[None, :, None, :, None], attention.clamp(min=0), 1.0)
+    row_ess = ess(rows_in, dim=-1)  # [L, B, H, n]
     row_ess = row_ess / count[None, :, None, None]
     rows = (row_ess * real[None, :, None, :]).sum(-1) / count[None, :, None]  # [L, B, H]
     mass = (attention * real[None, :, None, :, None]).sum(-2)  # [L, B, H, n] received
-    columns = ess(mass + 1e-300 * real[None, :, None, :], dim=-1) / count[None, :, None]
+    columns = ess(mass, dim=-1) / count[None, :, None]  # padded keys receive 0: they drop out
     log_mass = torch.where(mask[None, :, None, :], mass.clamp(min=1e-300).log(), -math.inf)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # short sentences: nan k-hat, flagged below
