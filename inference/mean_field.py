@@ -88,16 +88,22 @@ class MupScales:
     topic_logits: float  # global-variable logits
 
     @classmethod
-    def reconstruction(cls, crf) -> MupScales:
-        d, r, m = crf.labels, crf.rank, max(crf.global_labels, 1)
+    def at(cls, labels: float, rank: float, global_labels: float = 0) -> MupScales:
+        """The absolute factors at width ``labels``, rank ``rank`` and ``global_labels``
+        global values (floats allowed: a base width need not be buildable)."""
+        d, r, m = float(labels), float(rank), float(max(global_labels, 1))
         tau = d / r
-        return cls(
-            temperature=tau,
-            attention=tau * d,
-            ternary_message=float(d),
-            topic_message=float(m),
-            topic_logits=tau * m,
-        )
+        return cls(temperature=tau, attention=tau * d, ternary_message=d, topic_message=m, topic_logits=tau * m)
+
+    @classmethod
+    def reconstruction(cls, crf) -> MupScales:
+        """The absolute factors of ``crf`` (as if tuned at width 1)."""
+        return cls.at(crf.labels, crf.rank, crf.global_labels)
+
+    def relative_to(self, base: MupScales) -> MupScales:
+        """Factors divided by the base width's: all 1 at the base width, so a μP model
+        tuned there equals the standard one (``probformer.mup`` uses this form)."""
+        return MupScales(**{f.name: getattr(self, f.name) / getattr(base, f.name) for f in fields(self)})
 
 
 def _entropy(p: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The pre-LN transformer block shared by the non-CRF models (the Particle Transformer,
-the BERT-style and Universal-Transformer baselines)."""
+"""The transformer block shared by the non-CRF models (the Particle Transformer, the
+BERT-style and Universal-Transformer baselines): pre-LN by default, post-LN (the
+original BERT ordering) as an option."""
 
 from __future__ import annotations
 
@@ -8,28 +9,34 @@ import math
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block"]
+__all__ = ["Block", "NORMS"]
+
+NORMS = ("pre", "post")
 
 
 class Block(nn.Module):
-    """x + attention(LN x), then + FFN(LN x). ``key_bias [B, n]`` is added to every
+    """pre-LN: x + attention(LN x), then + FFN(LN x); post-LN: LN(x + attention(x)),
+    then LN(x + FFN(x)). ``key_bias [B, n]`` is added to every
     query's scores (padding: -inf); with ``return_attention`` the attention
     probabilities ``[B, heads, n, n]`` are returned too (materialised), otherwise
     torch's fused ``scaled_dot_product_attention`` is used."""
 
-    def __init__(self, width: int, heads: int, ffn_width: int, dropout: float = 0.0):
+    def __init__(self, width: int, heads: int, ffn_width: int, dropout: float = 0.0, norm: str = "pre"):
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} must be divisible by heads {heads}")
-        self.heads, self.dropout = heads, dropout
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {list(NORMS)}, got {norm!r}")
+        self.heads, self.dropout, self.norm = heads, dropout, norm
         self.attention_norm, self.ffn_norm = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.out = nn.Linear(width, width)
         self.ffn = nn.Sequential(nn.Linear(width, ffn_width), nn.GELU(), nn.Linear(ffn_width, width))
 
     def attend(self, x, key_bias, return_attention=False):
+        """Self-attention of x (pre-LN: of LN x)."""
         B, n, width = x.shape
-        q, k, v = self.qkv(self.attention_norm(x)).view(B, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(self.attention_norm(x) if self.norm == "pre" else x).view(B, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         bias = key_bias[:, None, None, :].to(q.dtype)
         p = self.dropout if self.training else 0.0
         if not return_attention:
@@ -42,9 +49,13 @@ class Block(nn.Module):
         return self.out(mixed.transpose(1, 2).reshape(B, n, width)), probs
 
     def transition(self, x):
-        return F.dropout(self.ffn(self.ffn_norm(x)), self.dropout, self.training)
+        """The FFN move of x (pre-LN: of LN x)."""
+        return F.dropout(self.ffn(self.ffn_norm(x) if self.norm == "pre" else x), self.dropout, self.training)
 
     def forward(self, x, key_bias, return_attention=False):
         mixed, probs = self.attend(x, key_bias, return_attention)
         x = x + F.dropout(mixed, self.dropout, self.training)
+        if self.norm == "post":
+            x = self.attention_norm(x)
+            return self.ffn_norm(x + self.transition(x)), probs
         return x + self.transition(x), probs

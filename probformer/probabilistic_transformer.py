@@ -6,7 +6,8 @@
 
 The default configuration is the PT reference (pt-spec.md §2.2): async schedule,
 head logits times d (``weights="reference"``), dropout on head marginals and label
-logits. ``mup=True`` switches to μP's scalings (see ``inference.MupScales``).
+logits. ``mup=True`` switches to μP's scalings relative to ``mup_base_width``
+(``probformer.mup``; equal to the standard model at the base width).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from torch import nn
 
 import graphs
 import inference
+from probformer import mup
 from probformer.config import ConfigMixin
 from probformer.heads import POOLINGS, TASKS, TaskHead
+from probformer.mup import PARADIGMS
 
 __all__ = ["PTConfig", "ProbabilisticTransformer"]
 
@@ -36,9 +39,11 @@ class PTConfig(ConfigMixin):
     iterations: int = 5  # T: layers
     schedule: str = "async"
     mup: bool = False
+    mup_base_width: int = 0  # d0: the width hyper-parameters were tuned at (0: this width)
+    mup_paradigm: str = "channels"  # how the model grows from d0: "channels" or "rank"
     kernel: str = "auto"
     dropout: float = 0.15
-    weights: str = "reference"
+    weights: str | dict = "reference"  # "reference", "crf" or the six information weights
     task: str = "mlm"
     num_classes: int = 0  # tagging / classification outputs
     pooling: str = "mean"
@@ -54,8 +59,12 @@ class PTConfig(ConfigMixin):
                 "gamma": 0,
                 "iterations": 1,
                 "num_classes": 0,
+                "mup_base_width": 0,
             }
         )
+        if self.mup_paradigm not in PARADIGMS:
+            raise ValueError(f"config key 'mup_paradigm' must be one of {list(PARADIGMS)}, got {self.mup_paradigm!r}")
+        inference.MessageWeights.parse(self.weights, self.labels)  # raises naming a bad weight
         if self.task not in TASKS:
             raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
         if self.pooling not in POOLINGS:
@@ -79,6 +88,8 @@ class ProbabilisticTransformer(nn.Module):
             topology=config.topology,
             gamma=config.gamma,
         )
+        # under μP the information weights are hyper-parameters of the base width, held fixed
+        weights_width = mup.base_width(config) if config.mup else config.labels
         self.mean_field = inference.MeanField(
             self.crf,
             iterations=config.iterations,
@@ -86,10 +97,12 @@ class ProbabilisticTransformer(nn.Module):
             mup=config.mup,
             kernel=config.kernel,
             dropout=config.dropout,
-            weights=config.weights,
+            weights=inference.MessageWeights.parse(config.weights, weights_width),
+            mup_scales=mup.engine_scales(config) if config.mup else None,
         )
         outputs = config.vocab_size if config.task == "mlm" else config.num_classes
         self.head = TaskHead(config.task, config.labels, outputs, config.pooling)
+        mup.initialise(self)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         """Task logits (``[B, n, V]`` for mlm, ``[B, n, classes]`` for tagging,

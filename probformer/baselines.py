@@ -1,0 +1,129 @@
+"""Baselines of equal parameter count: a BERT-style encoder (L distinct blocks) and a
+Universal Transformer (one weight-tied block applied L times, with a step signal).
+
+Both read token + learned position embeddings, use the shared ``Block`` (pre-LN by
+default, post-LN as BERT originally) and the shared ``TaskHead``, so the only
+difference from the Probabilistic Transformer is the encoder. ``equal_size`` picks
+the width that matches a target parameter count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from probformer.blocks import NORMS, Block
+from probformer.config import ConfigMixin
+from probformer.heads import POOLINGS, TASKS, TaskHead
+
+__all__ = ["TransformerConfig", "Transformer", "equal_size", "parameter_count"]
+
+
+@dataclass
+class TransformerConfig(ConfigMixin):
+    vocab_size: int
+    width: int = 256
+    heads: int = 8
+    layers: int = 4  # distinct blocks, or applications of the one block if universal
+    ffn_width: int = 1024
+    max_length: int = 512
+    dropout: float = 0.1
+    norm: str = "pre"  # "pre" or "post" (original BERT)
+    universal: bool = False  # one weight-tied block applied `layers` times
+    task: str = "mlm"
+    num_classes: int = 0
+    pooling: str = "mean"
+
+    def __post_init__(self):
+        self.check_integers(
+            {"vocab_size": 1, "width": 1, "heads": 1, "layers": 1, "ffn_width": 1, "max_length": 1, "num_classes": 0}
+        )
+        if self.width % self.heads:
+            raise ValueError(f"config key 'width' ({self.width}) must be divisible by 'heads' ({self.heads})")
+        if self.norm not in NORMS:
+            raise ValueError(f"config key 'norm' must be one of {list(NORMS)}, got {self.norm!r}")
+        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(f"config key 'dropout' must lie in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.universal, bool):
+            raise ValueError(f"config key 'universal' must be true or false, got {self.universal!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
+        if self.pooling not in POOLINGS or self.pooling == "root":
+            raise ValueError(f"config key 'pooling' must be 'mean' for a transformer, got {self.pooling!r}")
+        if self.task != "mlm" and self.num_classes < 1:
+            raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.width)
+        self.position = nn.Embedding(config.max_length, config.width)
+        blocks = 1 if config.universal else config.layers
+        self.blocks = nn.ModuleList(
+            Block(config.width, config.heads, config.ffn_width, config.dropout, config.norm) for _ in range(blocks)
+        )
+        # the Universal Transformer's "coordinate" signal: which application this is
+        self.step = nn.Embedding(config.layers, config.width) if config.universal else None
+        self.final_norm = nn.LayerNorm(config.width) if config.norm == "pre" else nn.Identity()
+        self.embedding_norm = nn.LayerNorm(config.width) if config.norm == "post" else nn.Identity()
+        outputs = config.vocab_size if config.task == "mlm" else config.num_classes
+        self.head = TaskHead(config.task, config.width, outputs, config.pooling)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
+        """Task logits and, per layer, the hidden states ``[L, B, n, width]``."""
+        tokens, mask = self.check_inputs(tokens, mask)
+        n = tokens.shape[1]
+        x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
+        x = nn.functional.dropout(self.embedding_norm(x), self.config.dropout, self.training)
+        key_bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
+        hidden = []
+        for layer in range(self.config.layers):
+            block = self.blocks[0 if self.config.universal else layer]
+            if self.step is not None:
+                x = x + self.step.weight[layer]
+            x, _ = block(x, key_bias)
+            hidden.append(x)
+        return self.head(self.final_norm(x), mask), torch.stack(hidden)
+
+    def check_inputs(self, tokens, mask):
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(f"tokens must be a [B, n] long tensor, got {getattr(tokens, 'shape', type(tokens))}")
+        if tokens.shape[1] > self.config.max_length:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds config key 'max_length'={self.config.max_length}")
+        mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
+        if mask.shape != tokens.shape or mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor of shape {tuple(tokens.shape)}")
+        if not torch.compiler.is_compiling() and tokens.numel():
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got [{low}, {high}]")
+        return tokens, mask
+
+    def diagnostic_trace(self, tokens, mask=None) -> dict:
+        """Per-layer hidden states (for the diversity diagnostics)."""
+        _, hidden = self(tokens, mask)
+        return {"hidden": hidden}
+
+
+def parameter_count(config: TransformerConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(config).parameters())
+
+
+def equal_size(template: TransformerConfig, target: int) -> TransformerConfig:
+    """``template`` with the width (a multiple of ``heads``; FFN keeps its width ratio)
+    whose parameter count is closest to ``target``."""
+    ratio = template.ffn_width / template.width
+    best = None
+    for width in range(template.heads, 8193, template.heads):
+        candidate = replace(template, width=width, ffn_width=max(1, round(ratio * width)))
+        gap = abs(parameter_count(candidate) - target)
+        if best is None or gap < best[0]:
+            best = (gap, candidate)
+        elif parameter_count(candidate) > target:
+            break
+    return best[1]
