@@ -93,7 +93,9 @@ class Transformer(nn.Module):
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(f"tokens must be a [B, n] long tensor, got {getattr(tokens, 'shape', type(tokens))}")
         if tokens.shape[1] > self.config.max_length:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds config key 'max_length'={self.config.max_length}")
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds config key 'max_length'={self.config.max_length}"
+            )
         mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
         if mask.shape != tokens.shape or mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor of shape {tuple(tokens.shape)}")

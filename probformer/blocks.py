@@ -36,7 +36,11 @@ class Block(nn.Module):
     def attend(self, x, key_bias, return_attention=False):
         """Self-attention of x (pre-LN: of LN x)."""
         B, n, width = x.shape
-        q, k, v = self.qkv(self.attention_norm(x) if self.norm == "pre" else x).view(B, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.attention_norm(x) if self.norm == "pre" else x)
+            .view(B, n, 3, self.heads, -1)
+            .permute(2, 0, 3, 1, 4)
+        )
         bias = key_bias[:, None, None, :].to(q.dtype)
         p = self.dropout if self.training else 0.0
         if not return_attention:

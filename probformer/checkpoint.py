@@ -1,5 +1,6 @@
 """Checkpoints: a directory with ``config.json`` (format, model kind, config),
-``model.safetensors`` (weights; never pickle) and optionally ``vocabulary.json``.
+``model.safetensors`` (weights; never pickle) and optionally ``vocabulary.json`` (and
+``tokenizer.json`` for a subword vocabulary).
 Every file is written to a temporary name and renamed into place, so a killed
 process leaves either the old file or the new one."""
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from probformer.data import Vocabulary
+from probformer.baselines import Transformer, TransformerConfig
+from probformer.data import SubwordVocabulary, Vocabulary
 from probformer.particle_transformer import ParticleConfig, ParticleTransformer
 from probformer.probabilistic_transformer import ProbabilisticTransformer, PTConfig
 
@@ -21,6 +23,7 @@ FORMAT = "probformer-checkpoint/1"
 MODELS = {
     "probabilistic_transformer": (PTConfig, ProbabilisticTransformer),
     "particle_transformer": (ParticleConfig, ParticleTransformer),
+    "transformer": (TransformerConfig, Transformer),
 }
 
 
@@ -58,6 +61,8 @@ def save(model, directory, vocabulary: Vocabulary | None = None) -> Path:
     _atomic_write(directory / "config.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
     if vocabulary is not None:
         _atomic_write(directory / "vocabulary.json", lambda p: p.write_text(json.dumps(vocabulary.words)))
+        if isinstance(vocabulary, SubwordVocabulary):
+            _atomic_write(directory / "tokenizer.json", vocabulary.save)
     return directory
 
 
@@ -80,7 +85,7 @@ def load(directory):
     if meta.get("model") not in MODELS:
         raise ValueError(f"{config_path}: unknown model {meta.get('model')!r}; known: {sorted(MODELS)}")
     config_cls, model_cls = MODELS[meta["model"]]
-    model = model_cls(config_cls.from_dict(meta.get("config", {})))
+    model = model_cls(config_cls.from_dict(meta.get("config", {}), section="config"))
     try:
         weights = load_file(str(weights_path))
     except Exception as error:  # safetensors raises its own errors on truncated or foreign files
@@ -97,7 +102,9 @@ def load(directory):
         )
     model.load_state_dict(weights, strict=False)  # aliases of the saved tensors fill themselves
     vocabulary = None
-    if (directory / "vocabulary.json").is_file():
+    if (directory / "tokenizer.json").is_file():
+        vocabulary = SubwordVocabulary.load(directory / "tokenizer.json")
+    elif (directory / "vocabulary.json").is_file():
         vocabulary = Vocabulary(json.loads((directory / "vocabulary.json").read_text()))
         if len(vocabulary) != model.config.vocab_size:
             raise ValueError(

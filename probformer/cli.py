@@ -19,7 +19,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     diagnose.add_argument("--out", required=True, help="directory for report.nc and the PNG figures")
     diagnose.add_argument("--sentences", type=int, default=16, help="how many sentences to diagnose (default 16)")
+    train = commands.add_parser("train", help="train a model from a TOML config (see configs/)")
+    train.add_argument("--config", required=True, help="a TOML run config, e.g. configs/pt-small.toml")
+    train.add_argument("--out", help="run folder (default runs/<config name>)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    evaluate = commands.add_parser("evaluate", help="metric table of a checkpoint or run folder")
+    evaluate.add_argument("checkpoint", help="a checkpoint folder or a training-run folder")
+    evaluate.add_argument("--task", required=True, choices=["mlm", "pos", "uas"])
+    evaluate.add_argument("--data", help="ptb, ewt or a text file (default: ptb for mlm, ewt otherwise)")
+    evaluate.add_argument("--split", default="valid", choices=["valid", "test"])
+    evaluate.add_argument("--sentences", type=int, default=0, help="evaluate the first N sentences (0: all)")
     args = parser.parse_args(argv)
+    if args.command == "train":
+        from pathlib import Path
+
+        from probformer.train import train as run_training
+
+        out = args.out or str(Path("runs") / Path(args.config).stem)
+        run_training(args.config, out, resume=args.resume)
+        return 0
+    if args.command == "evaluate":
+        from probformer import evaluate as evaluation
+
+        metrics = evaluation.evaluate(args.checkpoint, args.task, args.data, args.split, args.sentences)
+        print(f"{args.task} on {args.data or ('ptb' if args.task == 'mlm' else 'ewt')} ({args.split}):")
+        evaluation.print_table(args.task, metrics)
+        return 0
     if args.command == "demo":
         from probformer import demo as demo_module
 

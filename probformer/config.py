@@ -1,9 +1,12 @@
-"""What every model config shares: validated integer keys, ``from_dict`` that rejects
-unknown keys, ``to_dict`` for checkpoints."""
+"""What every config shares: validated integer keys, ``from_dict`` that rejects
+unknown keys and values of the wrong type (naming the key), ``to_dict`` for
+checkpoints."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+import types
+import typing
+from dataclasses import MISSING, asdict, fields
 
 __all__ = ["ConfigMixin"]
 
@@ -16,12 +19,50 @@ class ConfigMixin:
                 raise ValueError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
 
     @classmethod
-    def from_dict(cls, values: dict):
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
+    def from_dict(cls, values: dict, section: str = ""):
+        """Build from a plain dict (JSON, TOML); ``section`` prefixes key names in errors."""
+        prefix = f"{section}." if section else ""
+        if not isinstance(values, dict):
+            raise ValueError(f"config section {section or '(top)'!r} must be a table, got {values!r}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(known)}")
+            raise ValueError(f"unknown config keys {[prefix + k for k in unknown]}; allowed: {sorted(known)}")
+        missing = [name for name, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in missing if name not in values]
+        if missing:
+            raise ValueError(f"config keys {[prefix + k for k in missing]} are required")
+        hints = typing.get_type_hints(cls)
+        for name, value in values.items():
+            if not _matches(value, hints[name]):
+                raise ValueError(
+                    f"config key {prefix + name!r} must be of type {_describe(hints[name])}, "
+                    f"got {type(value).__name__} {value!r}"
+                )
         return cls(**values)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _matches(value, hint) -> bool:
+    if hint is typing.Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    origin = typing.get_origin(hint) or hint
+    return isinstance(value, origin)
+
+
+def _describe(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arm) for arm in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))

