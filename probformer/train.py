@@ -231,11 +231,12 @@ def _load_optimizer_state(optimizer, tensors: dict, groups: list[dict]) -> None:
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, out, resume: bool = False):
+    def __init__(self, config: RunConfig, out, resume: bool = False, progress: bool = True):
         self.config, self.out, self.resume = config, Path(out), resume
         self.rank, self.world = 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self._init_distributed()
+        self.progress = progress and self.rank == 0  # bar and messages
         threads = config.train.threads or max(1, min(2, os.cpu_count() or 1) // self.world)
         torch.set_num_threads(threads)
 
@@ -415,14 +416,16 @@ class Trainer:
         from tqdm.auto import tqdm
 
         train = self.config.train
-        if self.rank == 0:
+        if self.progress:
             print(
                 f"{self.config.kind}: {self.parameters / 1e6:.2f}M parameters; {len(self.corpus.train)} training / "
                 f"{len(self.corpus.valid)} validation sentences; vocabulary {len(self.corpus.vocabulary)}; "
                 f"{self.total_steps} steps; {self.world} process(es) -> {self.out}",
                 flush=True,
             )
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0, unit="step", dynamic_ncols=True)
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True
+        )
         started, tokens_at_start = time.perf_counter() - self.elapsed, self.tokens_seen
         window_loss, window_steps, last_eval = 0.0, 0, None
         while self.step < self.total_steps:
@@ -462,7 +465,8 @@ class Trainer:
             ):
                 last_eval = self.evaluate(train.eval_sentences)
                 self._log({"step": self.step, "split": "valid", **last_eval})
-                bar.write(f"step {self.step}: validation {_describe(last_eval)}")
+                if self.progress:
+                    bar.write(f"step {self.step}: validation {_describe(last_eval)}")
                 self.plot()
             if self.rank == 0 and (
                 (train.checkpoint_every and self.step % train.checkpoint_every == 0) or self.step == self.total_steps
@@ -488,7 +492,8 @@ class Trainer:
                 "valid": final,
             }
             _write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
-            print(f"validation {_describe(final)}; model in {self.out / 'model'}", flush=True)
+            if self.progress:
+                print(f"validation {_describe(final)}; model in {self.out / 'model'}", flush=True)
         if self.world > 1:
             import torch.distributed as dist
 
@@ -524,8 +529,8 @@ def _describe(metrics: dict) -> str:
     return f"loss {metrics['loss']:.4f}, perplexity {metrics['perplexity']:.2f}"
 
 
-def train(config: RunConfig | str | Path, out, resume: bool = False) -> dict:
+def train(config: RunConfig | str | Path, out, resume: bool = False, progress: bool = True) -> dict:
     """Train ``config`` (a ``RunConfig`` or a TOML path) into ``out``; the summary."""
     if not isinstance(config, RunConfig):
         config = run_config.load(config)
-    return Trainer(config, out, resume=resume).run()
+    return Trainer(config, out, resume=resume, progress=progress).run()
