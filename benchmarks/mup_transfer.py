@@ -1,9 +1,9 @@
 """Learning-rate transfer: sweep the learning rate on a x2 grid at several widths, under
 μP and under the standard parametrisation, on PTB MLM with a small fixed budget
-(configs/mup-base.toml: 150 steps of 32 sentences). μP's promise: the best learning
+(configs/mup-base.toml: 80 steps of 32 sentences). μP's promise: the best learning
 rate does not move with width (within one grid step of the smallest width's best).
 
-    .venv/bin/python benchmarks/mup_transfer.py [--widths 32,64,128,256] [--lrs 7] [--steps 150]
+    .venv/bin/python benchmarks/mup_transfer.py [--widths 16,32,64,128] [--lrs 7] [--steps 80]
 
 Writes docs/benchmarks/mup_transfer.json and prints the table for docs/benchmarks.md.
 """
@@ -49,7 +49,7 @@ def sweep(base: run_config.RunConfig, widths, lrs, use_mup: bool, scratch: Path)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/mup-base.toml")
-    parser.add_argument("--widths", default="32,64,128,256")
+    parser.add_argument("--widths", default="16,32,64,128")
     parser.add_argument("--lrs", type=int, default=7, help="grid size (x2 steps, centred on the config's lr)")
     parser.add_argument("--steps", type=int, default=0, help="override train.steps")
     parser.add_argument("--out", default="docs/benchmarks/mup_transfer.json")
