@@ -10,8 +10,9 @@ import numpy as np
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="probformer", description="Transformers from inference.")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="oracles on a real sentence, then a short PT training run on PTB")
-    demo.add_argument("--seconds", type=float, default=60.0, help="training time budget (default 60)")
+    demo = commands.add_parser("demo", help="oracles on a real sentence, then PT vs an equal-size BERT on PTB")
+    demo.add_argument("--steps", type=int, default=0, help="shorten both training runs to N steps (0: the configs)")
+    demo.add_argument("--out", default="runs/demo", help="where the runs go (default runs/demo)")
     diagnose = commands.add_parser("diagnose", help="per-layer ESS, Pareto k-hat, diversity and ELBO of a checkpoint")
     diagnose.add_argument("checkpoint", help="a checkpoint directory (config.json, model.safetensors, vocabulary.json)")
     diagnose.add_argument(
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from probformer import demo as demo_module
 
-        return demo_module.main(args.seconds)
+        return demo_module.main(args.steps, args.out)
     if args.command == "diagnose":
         return run_diagnose(args.checkpoint, args.data, args.out, args.sentences)
     return 2

@@ -1,17 +1,21 @@
-"""``make demo``: the oracles agree on a real sentence, then a small Probabilistic
-Transformer learns masked-word prediction on a slice of the Penn Treebank."""
+"""``make demo``: the oracles agree on a real sentence; then a small Probabilistic
+Transformer and a BERT-style baseline of equal parameter count learn masked-word
+prediction on a PTB subset (configs/demo-*.toml), their validation perplexities are
+compared, and the PT's diagnostics report is written."""
 
 from __future__ import annotations
 
-import math
-import time
+import dataclasses
+from pathlib import Path
 
 import torch
 
 import graphs
 import inference
-import probformer as pf
-from probformer import data
+from probformer import data, run_config
+from probformer.train import collate, train
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def oracles_on_a_sentence(sentence: list[str]) -> None:
@@ -35,55 +39,50 @@ def oracles_on_a_sentence(sentence: list[str]) -> None:
     print(f"  Gibbs |q(Z) - exact| max  {error:9.4f}   (NumPyro, R-hat {gibbs.rhat:.3f})")
 
 
-def train_small_pt(seconds: float = 60.0) -> None:
-    torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(0)
-    train = [s for s in data.ptb_sentences("train") if len(s) <= 30][:6000]
-    valid = [s for s in data.ptb_sentences("valid") if len(s) <= 30][:400]
-    vocab = data.Vocabulary.build(train)
-    config = pf.PTConfig(vocab_size=len(vocab), labels=64, channels=4, rank=16, iterations=3, dropout=0.1)
-    model = pf.ProbabilisticTransformer(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+def diagnose(run: Path, config: run_config.RunConfig) -> list[str]:
+    from probformer import diagnostics
+    from probformer.evaluate import load_any
+    from probformer.train import prepare_corpus
 
-    def validation_perplexity() -> float:
-        model.eval()
-        total, count = 0.0, 0
-        g = torch.Generator().manual_seed(313)
-        with torch.no_grad():
-            for tokens, mask in data.batches(valid, vocab, 64, 30):
-                inputs, targets = data.mask_tokens(tokens, mask, len(vocab), generator=g)
-                logits, _ = model(inputs, mask)
-                loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="sum")
-                total, count = total + loss.item(), count + (targets != -100).sum().item()
-        model.train()
-        return math.exp(total / count)
-
-    params = sum(p.numel() for p in model.parameters())
-    print(
-        f"\nProbabilistic Transformer d=64 C=4 r=16 T=3 ({params / 1e6:.2f}M parameters), PTB slice of "
-        f"{len(train)} sentences, vocabulary {len(vocab)}"
-    )
-    print(f"  validation masked-token perplexity before training: {validation_perplexity():8.1f}")
-    start, steps, seen = time.time(), 0, 0
-    while time.time() - start < seconds:
-        for tokens, mask in data.batches(train, vocab, 32, 30, shuffle=True, generator=generator):
-            inputs, targets = data.mask_tokens(tokens, mask, len(vocab), generator=generator)
-            logits, _ = model(inputs, mask)
-            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-            optimizer.step()
-            steps, seen = steps + 1, seen + int(mask.sum())
-            if time.time() - start > seconds:
-                break
-    elapsed = time.time() - start
-    print(f"  trained {steps} steps in {elapsed:.0f} s ({seen / elapsed:.0f} tokens/s)")
-    print(f"  validation masked-token perplexity after training:  {validation_perplexity():8.1f}")
+    model, vocabulary = load_any(run)
+    model.eval()
+    corpus = prepare_corpus(config.data, vocabulary)
+    tokens, mask, _ = collate(corpus.valid[:16])
+    with torch.no_grad():
+        report = diagnostics.report(model, tokens, mask)
+    folder = run / "diagnostics"
+    folder.mkdir(exist_ok=True)
+    report.to_netcdf(str(folder / "report.nc"))
+    return [str(folder / "report.nc")] + diagnostics.plot_report(report, folder)
 
 
-def main(seconds: float = 60.0) -> int:
+def main(steps: int = 0, out: str = "runs/demo") -> int:
+    """``steps`` > 0 shortens both training runs (a smoke test)."""
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     oracles_on_a_sentence(data.ptb_sentences("valid")[7][:6])
-    train_small_pt(seconds)
+    results = {}
+    for name in ("demo-pt", "demo-bert"):
+        config = run_config.load(CONFIGS / f"{name}.toml")
+        if steps:
+            config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps, eval_every=0))
+        run = Path(out) / name
+        if run.exists():
+            import shutil
+
+            shutil.rmtree(run)
+        print(f"\n== {name} ==", flush=True)
+        results[name] = (train(config, run), run)
+    print("\nvalidation masked-token perplexity (500 PTB validation sentences):")
+    for name, (summary, _) in results.items():
+        print(
+            f"  {name:10s} {summary['valid']['perplexity']:8.1f}   {summary['parameters'] / 1e6:.2f}M parameters, "
+            f"{summary['tokens_per_second']:.0f} tokens/s, {summary['seconds']:.0f} s"
+        )
+    pt_run = results["demo-pt"][1]
+    files = diagnose(pt_run, run_config.load(CONFIGS / "demo-pt.toml"))
+    print("\nwhere everything is:")
+    for name, (_, run) in results.items():
+        print(f"  {name}: model {run / 'model'}, metrics {run / 'metrics.jsonl'}, loss curve {run / 'loss.png'}")
+    print(f"  PT diagnostics (ESS, Pareto k, diversity, ELBO per layer): {', '.join(files)}")
+    print(f"  evaluate: probformer evaluate {pt_run} --task mlm")
     return 0

@@ -38,7 +38,7 @@ def load_any(path):
 def _examples(sentences, vocabulary, max_length, tags=None):
     tag_index = {t: i for i, t in enumerate(tags or [])}
     examples = []
-    for number, sentence in enumerate(sentences):
+    for sentence in sentences:
         words = sentence.words if isinstance(sentence, data.TreebankSentence) else sentence
         ids = vocabulary.encode(words)
         if not ids or len(ids) > max_length:

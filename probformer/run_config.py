@@ -59,7 +59,7 @@ class TrainConfig(ConfigMixin):
     eval_sentences: int = 0  # validation sentences per periodic evaluation (0: all)
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
     log_every: int = 10  # steps between metrics lines
-    threads: int = 0  # torch threads (0: min(2, available)); oversubscription is very slow
+    threads: int = 0  # torch threads (0: OMP_NUM_THREADS, else min(2, cores) / processes)
 
     def __post_init__(self):
         self.check_integers(

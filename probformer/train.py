@@ -237,8 +237,7 @@ class Trainer:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self._init_distributed()
         self.progress = progress and self.rank == 0  # bar and messages
-        threads = config.train.threads or max(1, min(2, os.cpu_count() or 1) // self.world)
-        torch.set_num_threads(threads)
+        torch.set_num_threads(config.train.threads or _default_threads(self.world))
 
         # everything that can be wrong is checked before the output folder exists
         vocabulary = tags = None
@@ -521,6 +520,14 @@ class Trainer:
         figure.savefig(path, dpi=100)
         plt.close(figure)
         return path
+
+
+def _default_threads(world: int) -> int:
+    """OMP_NUM_THREADS when set (benchmarks run jobs side by side), else the cores split
+    between processes, at most 2: oversubscribed threads have made runs 50x slower."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, min(2, os.cpu_count() or 1) // world)
 
 
 def _describe(metrics: dict) -> str:

@@ -69,7 +69,9 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
     full = tmp_path / "full"
     train(config, full, progress=False)
     killed = tmp_path / "killed"
-    process = cli("train", "--config", str(config), "--out", str(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = cli(
+        "train", "--config", str(config), "--out", str(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     pointer = killed / "checkpoints" / "latest"
     deadline = time.time() + 120
     while time.time() < deadline and not (pointer.is_file() and pointer.read_text() >= "step-0000004"):
@@ -224,7 +226,7 @@ def tiny_ewt(tmp_path, monkeypatch):
 
 def test_pos_tagging_and_attachment_scores(tmp_path, tiny_ewt):
     config = write_config(tmp_path, source="ewt", task="pos", max_length=10, steps=30)
-    text = config.read_text().replace('iterations = 2', 'iterations = 2\ntopology = "full | root()"')
+    text = config.read_text().replace("iterations = 2", 'iterations = 2\ntopology = "full | root()"')
     config.write_text(text.replace("lr = 3e-3", "lr = 3e-2"))
     train(config, tmp_path / "run", progress=False)
     pos = evaluate(tmp_path / "run", "pos", "ewt")
@@ -271,7 +273,9 @@ def test_bf16_autocast_trains(tmp_path):
 @pytest.mark.parametrize("name", ["bert-small", "particle-small"])
 def test_other_model_kinds_train(tmp_path, name):
     text = (Path("configs") / f"{name}.toml").read_text()
-    text = text.replace("epochs = 1", "steps = 2").replace('source = "ptb"', 'source = "ptb"\ntrain_sentences = 64\nvalid_sentences = 8')
+    text = text.replace("epochs = 1", "steps = 2").replace(
+        'source = "ptb"', 'source = "ptb"\ntrain_sentences = 64\nvalid_sentences = 8'
+    )
     (tmp_path / "c.toml").write_text(text)
     summary = train(tmp_path / "c.toml", tmp_path / "run", progress=False)
     assert summary["steps"] == 2 and math.isfinite(summary["valid"]["loss"])
