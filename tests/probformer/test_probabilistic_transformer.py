@@ -70,7 +70,7 @@ def test_classification_by_root_reads_the_root_node():
         (dict(vocab_size=10, task="tagging"), "'num_classes' must be >= 1"),
         (dict(vocab_size=10, pooling="root", task="classification", num_classes=2), "needs a ROOT node"),
         (dict(vocab_size=10, layers=3), r"unknown config keys \['layers'\]"),
-        (dict(vocab_size=10, iterations=2.0), "'iterations' must be an integer"),
+        (dict(vocab_size=10, iterations=2.0), "'iterations' must be of type int"),
     ],
 )
 def test_config_validation_names_the_key(values, match):
