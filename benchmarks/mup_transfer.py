@@ -50,7 +50,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/mup-base.toml")
     parser.add_argument("--widths", default="16,32,64,128")
-    parser.add_argument("--lrs", type=int, default=7, help="grid size (x2 steps, centred on the config's lr)")
+    parser.add_argument("--lrs", type=int, default=7, help="grid size (x2 steps)")
+    parser.add_argument("--centre", type=float, default=1.6e-2, help="the grid's middle learning rate")
     parser.add_argument("--steps", type=int, default=0, help="override train.steps")
     parser.add_argument("--out", default="docs/benchmarks/mup_transfer.json")
     args = parser.parse_args()
@@ -59,7 +60,7 @@ def main() -> None:
     if args.steps:
         base = dataclasses.replace(base, train=dataclasses.replace(base.train, steps=args.steps))
     widths = [int(w) for w in args.widths.split(",")]
-    centre = base.train.lr
+    centre = args.centre
     lrs = [centre * 2.0 ** (k - args.lrs // 2) for k in range(args.lrs)]
     report = {"config": args.config, "steps": base.train.steps, "widths": widths, "lrs": lrs}
     with tempfile.TemporaryDirectory() as scratch:
