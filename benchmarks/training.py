@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from probformer import diagnostics, run_config
-from probformer.train import collate, prepare_corpus, train
+from probformer.corpus import collate, prepare_corpus
+from probformer.train import train
 
 
 @torch.no_grad()

@@ -13,7 +13,8 @@ import torch
 import graphs
 import inference
 from probformer import data, run_config
-from probformer.train import collate, train
+from probformer.corpus import collate
+from probformer.train import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -41,8 +42,8 @@ def oracles_on_a_sentence(sentence: list[str]) -> None:
 
 def diagnose(run: Path, config: run_config.RunConfig) -> list[str]:
     from probformer import diagnostics
+    from probformer.corpus import prepare_corpus
     from probformer.evaluate import load_any
-    from probformer.train import prepare_corpus
 
     model, vocabulary = load_any(run)
     model.eval()

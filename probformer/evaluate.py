@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from probformer import checkpoint, data
-from probformer.train import IGNORE, evaluate_model, latest_checkpoint
+from probformer.corpus import IGNORE
+from probformer.train import evaluate_model, latest_checkpoint
 
 __all__ = ["load_any", "evaluate", "attachment_scores", "TASKS"]
 

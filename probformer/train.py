@@ -29,131 +29,19 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from probformer import checkpoint, data, mup, run_config
+from probformer import checkpoint, mup, run_config
+from probformer.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
 from probformer.run_config import RunConfig
 
-__all__ = ["Corpus", "prepare_corpus", "Trainer", "train", "latest_checkpoint", "evaluate_model"]
+__all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
 
-IGNORE = -100
 _RESUMABLE_CHANGES = {"steps", "epochs", "threads", "log_every", "eval_every", "checkpoint_every"}
-
-
-# ---- data ---------------------------------------------------------------------------
-
-
-@dataclass
-class Corpus:
-    vocabulary: data.Vocabulary | data.SubwordVocabulary
-    train: list[tuple[list[int], list[int] | None]]  # token ids, tag ids (pos) or None
-    valid: list[tuple[list[int], list[int] | None]]
-    tags: list[str] | None = None  # UPOS tag names for the pos task
-    valid_heads: list[list[int]] | None = None  # gold heads of the validation sentences (ewt)
-
-
-def prepare_corpus(config: run_config.DataConfig, vocabulary=None, tags=None) -> Corpus:
-    """Read, split and encode the data of ``config``; ``vocabulary`` (and ``tags``) from
-    a checkpoint replace the ones built from the training data."""
-    heads = None
-    if config.source == "ptb":
-        train_words = data.ptb_sentences("train")
-        valid_words = data.ptb_sentences("valid")
-        train_tags = valid_tags = None
-    elif config.source == "ewt":
-        train_trees = data.read_conllu(data.ewt_path("train"))
-        valid_trees = data.read_conllu(data.ewt_path("dev"))
-        train_words, valid_words = [s.words for s in train_trees], [s.words for s in valid_trees]
-        train_tags, valid_tags = [s.upos for s in train_trees], [s.upos for s in valid_trees]
-        heads = [s.heads for s in valid_trees]
-    else:
-        lines = data.text_lines(config.source)
-        if len(lines) < 2:
-            raise ValueError(f"data.source {config.source!r} needs at least 2 lines (train and validation)")
-        held_out = max(1, len(lines) // 20)  # the last 5% of lines validate
-        train_words = [line.split() for line in lines[:-held_out]]
-        valid_words = [line.split() for line in lines[-held_out:]]
-        train_tags = valid_tags = None
-        if vocabulary is None:
-            vocabulary = data.SubwordVocabulary.train(lines[:-held_out], config.vocabulary)
-    if config.train_sentences:
-        train_words = train_words[: config.train_sentences]
-        train_tags = train_tags and train_tags[: config.train_sentences]
-    if config.valid_sentences:
-        valid_words = valid_words[: config.valid_sentences]
-        valid_tags = valid_tags and valid_tags[: config.valid_sentences]
-        heads = heads and heads[: config.valid_sentences]
-    if not train_words or not valid_words:
-        raise ValueError(f"data.source {config.source!r} gave an empty training or validation set")
-    if vocabulary is None:
-        vocabulary = data.Vocabulary.build(train_words, max_size=config.vocabulary)
-    if config.task == "pos":
-        tags = tags or sorted({t for sentence in train_tags for t in sentence})
-    tag_index = {t: i for i, t in enumerate(tags or [])}
-
-    def encode(words, sentence_tags, split):
-        examples = []
-        for number, sentence in enumerate(words):
-            ids = vocabulary.encode(sentence)
-            if not ids:
-                continue
-            labels = None
-            if config.task == "pos":
-                unknown = set(sentence_tags[number]) - set(tag_index)
-                if unknown:
-                    raise ValueError(f"{split} sentence #{number} has tags {sorted(unknown)} unseen in training")
-                labels = [tag_index[t] for t in sentence_tags[number]]
-            examples.append((ids, labels))
-        too_long = [len(ids) for ids, _ in examples if len(ids) > config.max_length]
-        if too_long:
-            raise ValueError(
-                f"{len(too_long)} {split} sentences are longer than data.max_length={config.max_length} "
-                f"(longest: {max(too_long)}); raise data.max_length"
-            )
-        return examples
-
-    corpus = Corpus(
-        vocabulary, encode(train_words, train_tags, "training"), encode(valid_words, valid_tags, "validation")
-    )
-    corpus.tags, corpus.valid_heads = tags, heads
-    return corpus
-
-
-def epoch_order(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """Batches of example indices for one epoch: shuffled, then bucketed by length within
-    pools of 50 batches (less padding), batch order shuffled; a function of (seed, epoch)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(len(lengths), generator=generator).tolist()
-    pool = 50 * batch_size
-    batches = []
-    for start in range(0, len(order), pool):
-        chunk = sorted(order[start : start + pool], key=lambda i: lengths[i])
-        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    shuffled = torch.randperm(len(batches), generator=generator).tolist()
-    return [batches[i] for i in shuffled]
-
-
-def collate(examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``tokens [B, n]``, ``mask [B, n]``, ``labels [B, n]`` (-100 on padding / no tags)."""
-    n = max(len(ids) for ids, _ in examples)
-    tokens = torch.zeros(len(examples), n, dtype=torch.long)
-    labels = torch.full((len(examples), n), IGNORE, dtype=torch.long)
-    for row, (ids, tags) in enumerate(examples):
-        tokens[row, : len(ids)] = torch.tensor(ids)
-        if tags is not None:
-            labels[row, : len(tags)] = torch.tensor(tags)
-    return tokens, tokens != 0, labels
-
-
-def _targets(task, tokens, mask, labels, vocab_size, rate, generator):
-    if task == "pos":
-        return tokens, labels
-    return data.mask_tokens(tokens, mask, vocab_size, rate=rate, generator=generator)
 
 
 # ---- evaluation ---------------------------------------------------------------------
@@ -169,7 +57,7 @@ def evaluate_model(model, examples, task: str, vocab_size: int, mask_rate: float
     total, count, correct = 0.0, 0, 0
     for start in range(0, len(order), batch_size):
         tokens, mask, labels = collate([examples[i] for i in order[start : start + batch_size]])
-        inputs, targets = _targets(task, tokens, mask, labels, vocab_size, mask_rate, generator)
+        inputs, targets = inputs_and_targets(task, tokens, mask, labels, vocab_size, mask_rate, generator)
         logits, _ = model(inputs, mask)
         total += F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="sum").item()
         picked = targets != IGNORE
@@ -391,7 +279,7 @@ class Trainer:
         torch.manual_seed(train.seed * 1_000_003 + self.step)  # dropout: a function of the step
         masks = torch.Generator().manual_seed(train.seed * 7_919 + self.step)
         tokens, mask, labels = collate(examples)
-        inputs, targets = _targets(
+        inputs, targets = inputs_and_targets(
             task, tokens, mask, labels, len(self.corpus.vocabulary), self.config.data.mask_rate, masks
         )
         count = int((targets != IGNORE).sum())

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from probformer import checkpoint, run_config
+from probformer.corpus import epoch_order
 from probformer.evaluate import attachment_scores, evaluate
-from probformer.train import Trainer, epoch_order, latest_checkpoint, train
+from probformer.train import Trainer, latest_checkpoint, train
 
 TINY = """
 [model]
