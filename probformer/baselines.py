@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from probformer.blocks import NORMS, Block
+from probformer.blocks import NORMS, Block, check_token_inputs
 from probformer.config import ConfigMixin
 from probformer.heads import POOLINGS, TASKS, TaskHead
 
@@ -75,7 +75,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         """Task logits and, per layer, the hidden states ``[L, B, n, width]``."""
-        tokens, mask = self.check_inputs(tokens, mask)
+        tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, self.config.max_length)
         n = tokens.shape[1]
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
         x = nn.functional.dropout(self.embedding_norm(x), self.config.dropout, self.training)
@@ -88,22 +88,6 @@ class Transformer(nn.Module):
             x, _ = block(x, key_bias)
             hidden.append(x)
         return self.head(self.final_norm(x), mask), torch.stack(hidden)
-
-    def check_inputs(self, tokens, mask):
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
-            raise ValueError(f"tokens must be a [B, n] long tensor, got {getattr(tokens, 'shape', type(tokens))}")
-        if tokens.shape[1] > self.config.max_length:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds config key 'max_length'={self.config.max_length}"
-            )
-        mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
-        if mask.shape != tokens.shape or mask.dtype != torch.bool:
-            raise ValueError(f"mask must be a bool tensor of shape {tuple(tokens.shape)}")
-        if not torch.compiler.is_compiling() and tokens.numel():
-            low, high = int(tokens.min()), int(tokens.max())
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got [{low}, {high}]")
-        return tokens, mask
 
     def diagnostic_trace(self, tokens, mask=None) -> dict:
         """Per-layer hidden states (for the diversity diagnostics)."""

@@ -6,12 +6,32 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "NORMS"]
+__all__ = ["Block", "NORMS", "check_token_inputs"]
 
 NORMS = ("pre", "post")
+
+
+def check_token_inputs(tokens, mask, vocab_size: int, max_length: int):
+    """Validated ``(tokens, mask)`` for the models built from ``Block``: integer ids
+    ``[B, n]`` with n <= ``max_length``, a bool mask of the same shape (default: all
+    real), real ids in ``[0, vocab_size)``, a real token in every row; padded ids -> 0."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
+        raise ValueError(f"tokens must be integer ids of shape [batch, length], got {getattr(tokens, 'shape', tokens)}")
+    if tokens.shape[1] > max_length:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_length={max_length}")
+    mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
+    if mask.shape != tokens.shape or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor of shape {tuple(tokens.shape)}")
+    if not torch.compiler.is_compiling():
+        if ((tokens[mask] < 0) | (tokens[mask] >= vocab_size)).any():
+            raise ValueError(f"token ids must lie in [0, {vocab_size}) (vocab_size)")
+        if (~mask.any(1)).any():
+            raise ValueError("every row needs at least one real token")
+    return tokens.masked_fill(~mask, 0), mask
 
 
 class Block(nn.Module):

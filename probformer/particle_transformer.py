@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probformer.blocks import Block
+from probformer.blocks import Block, check_token_inputs
 from probformer.config import ConfigMixin
 from probformer.heads import POOLINGS, TASKS, TaskHead
 
@@ -128,18 +128,8 @@ class ParticleTransformer(nn.Module):
         return torch.where(active[:, None, None], moved, x)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
-        if tokens.dim() != 2 or tokens.dtype.is_floating_point:
-            raise ValueError(f"tokens must be integer ids of shape [batch, length], got {tuple(tokens.shape)}")
+        tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, self.config.max_length)
         B, n = tokens.shape
-        if n > self.config.max_length:
-            raise ValueError(f"sequence length {n} exceeds max_length={self.config.max_length}")
-        mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
-        if not torch.compiler.is_compiling():
-            if ((tokens[mask] < 0) | (tokens[mask] >= self.config.vocab_size)).any():
-                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}) (vocab_size)")
-            if (~mask.any(1)).any():
-                raise ValueError("every row needs at least one real token")
-        tokens = tokens.masked_fill(~mask, 0)
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
         padding = torch.where(mask, 0.0, -math.inf).to(x.dtype)
         log_weights = torch.zeros(B, n, device=x.device, dtype=x.dtype).masked_fill(~mask, -math.inf)

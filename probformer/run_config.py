@@ -130,7 +130,7 @@ class RunConfig:
         keys["vocab_size"] = vocab_size
         if self.data.task == "pos":
             keys["task"], keys["num_classes"] = "tagging", num_classes
-        if "max_length" in {f for f in config_cls.__dataclass_fields__} and "max_length" not in keys:
+        if "max_length" in config_cls.__dataclass_fields__ and "max_length" not in keys:
             keys["max_length"] = self.data.max_length
         return config_cls.from_dict(keys, "model")
 

@@ -128,20 +128,18 @@ class Trainer:
         torch.set_num_threads(config.train.threads or _default_threads(self.world))
 
         # everything that can be wrong is checked before the output folder exists
-        vocabulary = tags = None
         if resume:
             self.resume_from = latest_checkpoint(self.out)
-            saved = json.loads((self.out / "run.json").read_text())
-            self._check_resumable(saved)
-            _, vocabulary = checkpoint.load(self.resume_from)
-            tags = json.loads((self.resume_from / "training.json").read_text()).get("tags")
-        self.corpus = prepare_corpus(config.data, vocabulary, tags)
-        if resume:
-            fresh = prepare_corpus(config.data, None, tags).vocabulary
-            if list(fresh.words) != list(vocabulary.words):
+            self._check_resumable(json.loads((self.out / "run.json").read_text()))
+        self.corpus = prepare_corpus(config.data)
+        if resume:  # the data must encode exactly as it did for the checkpoint
+            _, saved_vocabulary = checkpoint.load(self.resume_from)
+            saved_tags = json.loads((self.resume_from / "training.json").read_text()).get("tags")
+            if list(self.corpus.vocabulary.words) != list(saved_vocabulary.words) or self.corpus.tags != saved_tags:
                 raise ValueError(
-                    f"vocabulary mismatch between checkpoint {self.resume_from} ({len(vocabulary)} words) and "
-                    f"data.source {config.data.source!r} ({len(fresh)} words)"
+                    f"vocabulary mismatch between checkpoint {self.resume_from} ({len(saved_vocabulary)} words, "
+                    f"tags {saved_tags}) and data.source {config.data.source!r} ({len(self.corpus.vocabulary)} "
+                    f"words, tags {self.corpus.tags})"
                 )
         torch.manual_seed(config.train.seed)
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
@@ -155,9 +153,8 @@ class Trainer:
         self.wrapped = self.model
         if self.world > 1:
             self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model)
-        lengths = [len(ids) for ids, _ in self.corpus.train]
-        self.lengths = lengths
-        per_epoch = math.ceil(len(lengths) / config.train.batch_size)
+        self.lengths = [len(ids) for ids, _ in self.corpus.train]
+        per_epoch = math.ceil(len(self.lengths) / config.train.batch_size)
         if config.train.batch_size < self.world:
             raise ValueError(f"train.batch_size={config.train.batch_size} is smaller than the {self.world} processes")
         self.total_steps = config.train.steps or config.train.epochs * per_epoch

@@ -161,8 +161,9 @@ def initialise(model) -> None:
     here = {"labels": float(config.labels), "rank": float(config.rank)}
     base = base_shape(config)
     multipliers = _multipliers(model)
+    role_of = roles(model)
     for name, parameter in model.named_parameters():
-        group = roles(model)[name]
+        group = role_of[name]
         target = _standard_std(name, base, config) * multipliers[group][0]
         parameter.mul_(target / _standard_std(name, here, config))
 
