@@ -3,12 +3,38 @@
 Models (the Probabilistic Transformer, the Particle Transformer, baselines),
 μP, diagnostics, data, training, export and the CLI, built on ``graphs``
 (declarations) and ``inference`` (engines).
+
+Names are imported on first use, so ``probformer.load`` of an exported model works
+where pyro, numpyro, jax, arviz and networkx are not installed.
 """
 
-from probformer import diagnostics
-from probformer.heads import TaskHead
-from probformer.particle_transformer import ParticleConfig, ParticleTransformer
-from probformer.probabilistic_transformer import ProbabilisticTransformer, PTConfig
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ParticleConfig", "ParticleTransformer", "ProbabilisticTransformer", "PTConfig", "TaskHead", "diagnostics"]
+
+_HOMES = {
+    "PTConfig": "probformer.probabilistic_transformer",
+    "ProbabilisticTransformer": "probformer.probabilistic_transformer",
+    "ParticleConfig": "probformer.particle_transformer",
+    "ParticleTransformer": "probformer.particle_transformer",
+    "TaskHead": "probformer.runtime",
+    "export": "probformer.deploy",
+    "load": "probformer.deploy",
+}
+_MODULES = ("diagnostics", "mup", "baselines", "runtime", "deploy")
+__all__ = sorted(_HOMES) + list(_MODULES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"probformer.{name}")
+    else:
+        raise AttributeError(f"module 'probformer' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -14,9 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from probformer.blocks import NORMS, Block, check_token_inputs
 from probformer.config import ConfigMixin
-from probformer.heads import POOLINGS, TASKS, TaskHead
+from probformer.runtime import NORMS, POOLINGS, TASKS, Block, TaskHead, check_token_inputs
 
 __all__ = ["TransformerConfig", "Transformer", "equal_size", "parameter_count"]
 

@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probformer.blocks import Block, check_token_inputs
 from probformer.config import ConfigMixin
-from probformer.heads import POOLINGS, TASKS, TaskHead
+from probformer.runtime import POOLINGS, TASKS, Block, TaskHead, check_token_inputs
 
 __all__ = ["ParticleConfig", "ParticleTransformer", "RESAMPLING"]
 

@@ -21,8 +21,8 @@ import graphs
 import inference
 from probformer import mup
 from probformer.config import ConfigMixin
-from probformer.heads import POOLINGS, TASKS, TaskHead
 from probformer.mup import PARADIGMS
+from probformer.runtime import POOLINGS, TASKS, TaskHead
 
 __all__ = ["PTConfig", "ProbabilisticTransformer"]
 
