@@ -30,7 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--data", help="ptb, ewt or a text file (default: ptb for mlm, ewt otherwise)")
     evaluate.add_argument("--split", default="valid", choices=["valid", "test"])
     evaluate.add_argument("--sentences", type=int, default=0, help="evaluate the first N sentences (0: all)")
+    export = commands.add_parser("export", help="write a checkpoint for deployment (torch, torch.export or ONNX)")
+    export.add_argument("checkpoint", help="a checkpoint folder or a training-run folder")
+    export.add_argument("--format", default="torch", choices=["torch", "exported", "onnx"])
+    export.add_argument("--out", required=True, help="a folder (torch), a .pt2 file (exported) or a .onnx file")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        from probformer import deploy
+
+        path = deploy.export(args.checkpoint, args.out, format=args.format)
+        print(f"wrote {path} ({args.format}); its logits match the checkpoint's within {deploy.TOLERANCE:g}")
+        return 0
     if args.command == "train":
         from pathlib import Path
 

@@ -85,9 +85,11 @@ def to_runtime(model) -> tuple[nn.Module, dict]:
     """``(runtime model, meta)``: the inference-only twin of ``model`` (same weights, eval
     mode) and the ``config.json`` content that rebuilds it."""
     kind, config = _kind_and_config(model)
-    twin = runtime.RUNTIMES[kind](config)
+    with torch.device("meta"):  # dtype and device come from the source's tensors
+        twin = runtime.RUNTIMES[kind](config)
     source = model.state_dict()
-    twin.load_state_dict({k: source[k].detach().clone() for k in twin.state_dict()})
+    twin.load_state_dict({k: source[k].detach().clone() for k in twin.state_dict()}, assign=True)
+    twin.requires_grad_(False)
     meta = {"format": runtime.FORMAT, "model": kind, "config": config}
     return twin.eval(), meta
 
@@ -108,15 +110,15 @@ def _example(model, example) -> tuple[torch.Tensor, torch.Tensor]:
     return runtime.check_token_inputs(tokens, mask, model.config.vocab_size, getattr(model.config, "max_length", None))
 
 
-def _trace_inputs(model) -> tuple[torch.Tensor, torch.Tensor]:
+def _trace_inputs(twin) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch 2, length 5: sizes other than 0 and 1, so torch.export keeps both dynamic."""
-    length = min(5, getattr(model.config, "max_length", 5))
+    length = min(5, twin.config.get("max_length", 5))
     tokens = torch.zeros(2, max(length, 2), dtype=torch.long)
     return tokens, torch.ones_like(tokens, dtype=torch.bool)
 
 
-def _dynamic_shapes(model):
-    limit = getattr(model.config, "max_length", None)
+def _dynamic_shapes(twin):
+    limit = twin.config.get("max_length")
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=1, max=limit) if limit else torch.export.Dim("length", min=1)
     return {"tokens": {0: batch, 1: length}, "mask": {0: batch, 1: length}}
@@ -270,7 +272,9 @@ def _load_exported(path: Path):
     except (zipfile.BadZipFile, OSError, json.JSONDecodeError, UnicodeDecodeError, EOFError) as error:
         raise ValueError(f"{path} is not a readable .pt2 archive: {error}") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORTED_FORMAT or meta.get("model") not in runtime.RUNTIMES:
-        raise ValueError(f"{path}: not a probformer torch.export file (no {EXPORTED_FORMAT!r} record)")
+        raise ValueError(
+            f"{path}: not a probformer torch.export file (no {EXPORTED_FORMAT!r} record; foreign or damaged)"
+        )
     if not any(n.endswith("weights_config.json") for n in configs):
         raise ValueError(f"{path}: no weights_config.json in the archive (an old or foreign .pt2 layout)")
     for config in configs.values():

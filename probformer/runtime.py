@@ -480,4 +480,4 @@ def load(directory, device="cpu") -> nn.Module:
             f"{tuple(weights[wrong[0]].shape)} in the file, {tuple(expected[wrong[0]].shape)} by the config)"
         )
     model.load_state_dict(weights, assign=True)
-    return model.eval()
+    return model.requires_grad_(False).eval()
