@@ -57,6 +57,18 @@ def diagnose(run: Path, config: run_config.RunConfig) -> list[str]:
     return [str(folder / "report.nc")] + diagnostics.plot_report(report, folder)
 
 
+def export(run: Path) -> dict[str, Path]:
+    """The trained PT for deployment: a torch-only folder and an ONNX file, each checked
+    against the model on a padded batch by ``probformer.export``."""
+    from probformer import deploy
+
+    folder = run / "export"
+    return {
+        "torch": deploy.export(run, folder / "torch"),
+        "onnx": deploy.export(run, folder / "model.onnx", format="onnx"),
+    }
+
+
 def main(steps: int = 0, out: str = "runs/demo") -> int:
     """``steps`` > 0 shortens both training runs (a smoke test)."""
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -81,9 +93,14 @@ def main(steps: int = 0, out: str = "runs/demo") -> int:
         )
     pt_run = results["demo-pt"][1]
     files = diagnose(pt_run, run_config.load(CONFIGS / "demo-pt.toml"))
+    exports = export(pt_run)
     print("\nwhere everything is:")
     for name, (_, run) in results.items():
         print(f"  {name}: model {run / 'model'}, metrics {run / 'metrics.jsonl'}, loss curve {run / 'loss.png'}")
     print(f"  PT diagnostics (ESS, Pareto k, diversity, ELBO per layer): {', '.join(files)}")
+    print(
+        f"  PT exported (logits match within 1e-5; docs/export.md): {exports['torch']} "
+        f"(torch + safetensors only), {exports['onnx']} (onnxruntime)"
+    )
     print(f"  evaluate: probformer evaluate {pt_run} --task mlm")
     return 0
