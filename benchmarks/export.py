@@ -64,9 +64,7 @@ def main():
 
                 options = onnxruntime.SessionOptions()
                 options.intra_op_num_threads = options.inter_op_num_threads = 1
-                artefact.graph = onnxruntime.InferenceSession(
-                    str(path), options, providers=["CPUExecutionProvider"]
-                )
+                artefact.graph = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
             with torch.no_grad():
                 error = (artefact(tokens, mask) - expected).abs().max().item()
             row[format] = {"export_seconds": seconds, "bytes": size(path), "max_abs_difference": error}

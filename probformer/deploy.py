@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import shutil
 import tempfile
 import warnings
@@ -150,14 +151,18 @@ def export(model, path, format: str = "torch", example=None, vocabulary=None, to
     with torch.no_grad():
         expected = model(tokens, mask)[0]
     model.train(was_training)
+    writer = {"torch": _write_directory, "exported": _write_exported, "onnx": _write_onnx}[format]
+
+    def write_and_check(target: Path) -> None:
+        writer(target, twin, meta, vocabulary)
+        with torch.no_grad():
+            found = load(target)(tokens, mask)
+        error = (found.float() - expected.float()).abs().max().item()
+        if not error <= tolerance:
+            raise RuntimeError(f"the export differs from the source model by {error:.3g} > tolerance {tolerance:g}")
+
     path = Path(path)
-    writers = {"torch": _write_directory, "exported": _write_exported, "onnx": _write_onnx}
-    writers[format](path, twin, meta, vocabulary)
-    with torch.no_grad():
-        found = load(path)(tokens, mask)
-    error = (found.float() - expected.float()).abs().max().item()
-    if not error <= tolerance:
-        raise RuntimeError(f"{path}: the export differs from the source model by {error:.3g} > tolerance {tolerance:g}")
+    _replace(path, write_and_check)
     return path
 
 
@@ -171,66 +176,67 @@ def _replace(path: Path, write) -> None:
         write(target)
         if path.is_dir():
             shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
         target.replace(path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_directory(path: Path, twin, meta, vocabulary) -> None:
+def _write_directory(folder: Path, twin, meta, vocabulary) -> None:
     from safetensors.torch import save_file
 
-    def write(folder: Path) -> None:
-        folder.mkdir()
-        weights = {k: v.detach().contiguous().cpu() for k, v in twin.state_dict().items()}
-        save_file(
-            weights, str(folder / "model.safetensors"), metadata={"format": meta["format"], "model": meta["model"]}
-        )
-        (folder / "config.json").write_text(json.dumps(meta, indent=1))
-        shutil.copyfile(runtime.__file__, folder / RUNTIME_FILE)
-        if vocabulary is not None:
-            (folder / "vocabulary.json").write_text(json.dumps(vocabulary.words))
-            if hasattr(vocabulary, "tokenizer"):
-                vocabulary.save(folder / "tokenizer.json")
-
-    _replace(path, write)
+    folder.mkdir()
+    weights = {k: v.detach().contiguous().cpu() for k, v in twin.state_dict().items()}
+    header = {"format": meta["format"], "model": meta["model"]}
+    save_file(weights, str(folder / "model.safetensors"), metadata=header)
+    (folder / "config.json").write_text(json.dumps(meta, indent=1))
+    shutil.copyfile(runtime.__file__, folder / RUNTIME_FILE)
+    if vocabulary is not None:
+        (folder / "vocabulary.json").write_text(json.dumps(vocabulary.words))
+        if hasattr(vocabulary, "tokenizer"):
+            vocabulary.save(folder / "tokenizer.json")
 
 
-def _write_exported(path: Path, twin, meta, vocabulary) -> None:
+def _write_exported(target: Path, twin, meta, vocabulary) -> None:
     tokens, mask = _trace_inputs(twin)
     program = torch.export.export(twin, (tokens, mask), dynamic_shapes=_dynamic_shapes(twin))
     extra = {"probformer.json": json.dumps({**meta, "format": EXPORTED_FORMAT})}
-    _replace(path, lambda target: torch.export.save(program, str(target), extra_files=extra))
+    torch.export.save(program, str(target), extra_files=extra)
 
 
-def _write_onnx(path: Path, twin, meta, vocabulary) -> None:
+def _write_onnx(target: Path, twin, meta, vocabulary) -> None:
     import onnx
 
-    def write(target: Path) -> None:
-        tokens, mask = _trace_inputs(twin)
-        with warnings.catch_warnings():  # the exporter's notes on axis names and torchvision
-            warnings.simplefilter("ignore")
-            _onnx_export(twin, tokens, mask, target)
-        proto = onnx.load(str(target))
-        onnx.helper.set_model_props(proto, {"probformer": json.dumps({**meta, "format": ONNX_FORMAT})})
-        onnx.save(proto, str(target))
-
-    _replace(path, write)
+    tokens, mask = _trace_inputs(twin)
+    with warnings.catch_warnings():  # the exporter's notes on axis names
+        warnings.simplefilter("ignore")
+        _onnx_export(twin, tokens, mask, target)
+    proto = onnx.load(str(target))
+    onnx.helper.set_model_props(proto, {"probformer": json.dumps({**meta, "format": ONNX_FORMAT})})
+    onnx.save(proto, str(target))
 
 
 def _onnx_export(twin, tokens, mask, target: Path) -> None:
-    # the exporter prints progress through its own stdout lines, not logging
-    with contextlib.redirect_stdout(io.StringIO()):
-        torch.onnx.export(
-            twin,
-            (tokens, mask),
-            str(target),
-            input_names=["tokens", "mask"],
-            output_names=["logits"],
-            dynamic_shapes=_dynamic_shapes(twin),
-            external_data=False,  # one self-contained file (weights < 2 GB)
-            dynamo=True,
-            verbose=False,
-        )
+    # the exporter prints progress to stdout and logs that torchvision ops are absent
+    registry = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registry.level
+    registry.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            torch.onnx.export(
+                twin,
+                (tokens, mask),
+                str(target),
+                input_names=["tokens", "mask"],
+                output_names=["logits"],
+                dynamic_shapes=_dynamic_shapes(twin),
+                external_data=False,  # one self-contained file (weights < 2 GB)
+                dynamo=True,
+                verbose=False,
+            )
+    finally:
+        registry.setLevel(level)
 
 
 # ---- load -----------------------------------------------------------------------------

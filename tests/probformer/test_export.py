@@ -324,7 +324,9 @@ def test_bad_export_requests_are_refused(tmp_path):
         probformer.export(model, tmp_path / "x")
     with pytest.raises(ValueError, match="token ids must lie in"):
         probformer.export(pt(), tmp_path / "x", example=torch.tensor([[VOCAB]]))
-    assert not (tmp_path / "x").exists()  # nothing half-written
+    with pytest.raises(RuntimeError, match="differs from the source model"):  # a check that cannot pass
+        probformer.export(pt(), tmp_path / "x", tolerance=-1.0)
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing half-written
 
 
 def test_loaded_models_check_their_inputs(exported):
