@@ -22,6 +22,17 @@ Parameter layout (what engines and users read):
     ternary_u  [K, C, d, r]   dependent side
     ternary_v  [K, C, d, r]   head side
     binary     [g, d]         only when global_labels > 0
+
+The ternary tensor ``T[k] : [C, d, d]`` (channel x dependent label x head label) can
+be stored in three forms (``ternary_form``); engines always read the per-channel
+factors ``ternary_u`` / ``ternary_v``, which the other forms compute:
+
+    "low_rank"  T[k, c] = U[k, c] V[k, c]^T                 U, V: [K, C, d, r]
+    "cp"        T[k, c, a, b] = sum_p W[k, c, p] A[k, a, p] B[k, b, p]   (CP, rank r)
+                -> ternary_u[k, c] = A[k] diag(W[k, c]), ternary_v[k, c] = B[k]
+    "tucker"    T[k, c] = sum_m A_m[k] G_m[k, c] B_m[k]^T   (block-term: ``ternary_blocks``
+                Tucker blocks of multilinear rank (r, r), a core per channel)
+                -> ternary_u[k, c] = [A_m[k] G_m[k, c]]_m, ternary_v[k, c] = [B_m[k]]_m
 """
 
 from __future__ import annotations
@@ -37,7 +48,9 @@ from torch import nn
 from graphs import topology as topologies
 from graphs.topology import Topology
 
-__all__ = ["CRF", "distance_groups"]
+__all__ = ["CRF", "distance_groups", "TERNARY_FORMS"]
+
+TERNARY_FORMS = ("low_rank", "cp", "tucker")
 
 
 def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
@@ -68,6 +81,8 @@ class CRF(nn.Module):
         global_labels: g, values of the per-token global variable (0: none).
         topology: a ``graphs.topology.Topology`` or its text form (default ``full()``).
         gamma: distance clip; token arcs fall into ``2 * (gamma + 1)`` groups.
+        ternary_form: "low_rank" (per-channel U V^T), "cp" or "tucker" (see the module
+            docstring); ``ternary_blocks``: the number of Tucker blocks.
     """
 
     def __init__(
@@ -79,6 +94,8 @@ class CRF(nn.Module):
         global_labels: int = 0,
         topology: Topology | str | None = None,
         gamma: int = 3,
+        ternary_form: str = "low_rank",
+        ternary_blocks: int = 1,
     ):
         super().__init__()
         _check_int("vocab_size", vocab_size, minimum=1)
@@ -88,6 +105,10 @@ class CRF(nn.Module):
         _check_int("rank", rank, minimum=1)
         _check_int("global_labels", global_labels, minimum=0)
         _check_int("gamma", gamma, minimum=0)
+        _check_int("ternary_blocks", ternary_blocks, minimum=1)
+        if ternary_form not in TERNARY_FORMS:
+            raise ValueError(f"ternary_form must be one of {list(TERNARY_FORMS)}, got {ternary_form!r}")
+        self.ternary_form, self.ternary_blocks = ternary_form, ternary_blocks
         self.vocab_size, self.labels, self.channels, self.rank = vocab_size, labels, channels, rank
         self.global_labels, self.gamma = global_labels, gamma
         self.topology = topologies.parse(topology if topology is not None else "full")
@@ -96,26 +117,62 @@ class CRF(nn.Module):
         # Initialisation as the reference PT (pt-spec.md §2.3): xavier-uniform unary,
         # N(0, 1/r) low-rank factors, N(0, 1/d) binary.
         self.unary = nn.Parameter(nn.init.xavier_uniform_(torch.empty(vocab_size, labels)))
-        std = rank**-0.5
-        self.ternary_u = nn.Parameter(torch.randn(self.num_groups, channels, labels, rank) * std)
-        self.ternary_v = nn.Parameter(torch.randn(self.num_groups, channels, labels, rank) * std)
+        # Every form starts with factor entries of variance 1/r (the effective rank of
+        # "tucker" is blocks x r; its cores are scaled so that T has the same variance).
+        std, K = rank**-0.5, self.num_groups
+        if ternary_form == "low_rank":
+            self.ternary_u = nn.Parameter(torch.randn(K, channels, labels, rank) * std)
+            self.ternary_v = nn.Parameter(torch.randn(K, channels, labels, rank) * std)
+        elif ternary_form == "cp":
+            self.cp_dependent = nn.Parameter(torch.randn(K, labels, rank) * std)
+            self.cp_head = nn.Parameter(torch.randn(K, labels, rank) * std)
+            self.cp_channel = nn.Parameter(torch.randn(K, channels, rank))
+        else:
+            blocks = ternary_blocks
+            self.tucker_dependent = nn.Parameter(torch.randn(blocks, K, labels, rank) * std)
+            self.tucker_head = nn.Parameter(torch.randn(blocks, K, labels, rank) * std)
+            self.tucker_core = nn.Parameter(torch.randn(blocks, K, channels, rank, rank) * (blocks * rank) ** -0.5)
         if global_labels:
             self.binary = nn.Parameter(torch.randn(global_labels, labels) * labels**-0.5)
         else:
             self.register_parameter("binary", None)
 
     def extra_repr(self) -> str:
+        form = "" if self.ternary_form == "low_rank" else f", ternary_form={self.ternary_form!r}"
         return (
             f"vocab_size={self.vocab_size}, labels={self.labels}, channels={self.channels}, "
             f"rank={self.rank}, global_labels={self.global_labels}, gamma={self.gamma}, "
-            f"topology={self.topology.name}"
+            f"topology={self.topology.name}{form}"
         )
+
+    def __getattr__(self, name: str):
+        # the per-channel factors that the "cp" and "tucker" forms compute
+        if name in ("ternary_u", "ternary_v") and self.__dict__.get("ternary_form", "low_rank") != "low_rank":
+            return self.ternary_factors()[name == "ternary_v"]
+        return super().__getattr__(name)
+
+    def ternary_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ternary_u, ternary_v)``, each ``[K, C, d, r_eff]``, for any form."""
+        if self.ternary_form == "low_rank":
+            return self.ternary_u, self.ternary_v
+        C = self.channels
+        if self.ternary_form == "cp":
+            u = self.cp_dependent[:, None] * self.cp_channel[:, :, None, :]  # [K, C, d, r]
+            return u, self.cp_head[:, None].expand(-1, C, -1, -1)
+        u = torch.einsum("mkap,mkcpq->kcamq", self.tucker_dependent, self.tucker_core)  # [K, C, d, M, r]
+        v = self.tucker_head.permute(1, 2, 0, 3)[:, None].expand(-1, C, -1, -1, -1)  # [K, C, d, M, r]
+        return u.flatten(-2), v.flatten(-2)
+
+    def ternary_parameter_count(self) -> int:
+        names = {"low_rank": "ternary_", "cp": "cp_", "tucker": "tucker_"}[self.ternary_form]
+        return sum(p.numel() for n, p in self.named_parameters() if n.startswith(names))
 
     # ---- the structure as data -------------------------------------------------
 
     def ternary_tensor(self) -> torch.Tensor:
         """``[K, C, d, d]``: ``T[k, c, a, b]`` for dependent label a and head label b."""
-        return torch.einsum("kcar,kcbr->kcab", self.ternary_u, self.ternary_v)
+        u, v = self.ternary_factors()
+        return torch.einsum("kcar,kcbr->kcab", u, v)
 
     def distance_groups(self, n: int) -> torch.Tensor:
         return distance_groups(n, self.gamma, self.topology.extra_nodes)

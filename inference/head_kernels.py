@@ -49,6 +49,7 @@ class HeadStructure:
     nodes: torch.Tensor  # [B, N] bool
     token_arcs: torch.Tensor  # [n, n] bool: the topology alone, between tokens
     band: tuple[float, float] | None = None  # the topology's token offsets, if a band
+    prior: torch.Tensor | None = None  # [C, N, N] log prior on heads (adaptive span); naive only
 
     @property
     def has_head(self) -> torch.Tensor:
@@ -90,6 +91,8 @@ def naive_logits(query, key, scale, structure: HeadStructure) -> torch.Tensor:
     for k in range(K):
         scores = scale * (_heads(query, k) @ _heads(key, k).transpose(-1, -2))
         logits = scores if logits is None else torch.where(structure.groups == k, scores, logits)
+    if structure.prior is not None:
+        logits = logits + structure.prior
     return logits.masked_fill(~structure.arcs[:, None], -math.inf)
 
 
@@ -236,6 +239,8 @@ def _far_masks(structure: HeadStructure):
 
 
 def fused(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool = True) -> HeadMessages:
+    if structure.prior is not None:
+        raise ValueError("the fused kernel has no head prior (adaptive span); use kernel='naive'")
     B, N, K, C, r = query.shape
     n, gamma = structure.n, structure.gamma
     m = N - n

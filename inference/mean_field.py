@@ -20,6 +20,18 @@ Schedules:
                 head and global marginal is refreshed. Slow (O(N) kernel calls per
                 iteration), naive kernel only; the ELBO after every step is in
                 ``trace["elbo_steps"]``.
+    macaron     Macaron ordering (needs global labels): per iteration a half-step global
+                update, the head update, a second half-step global update. The global
+                message to the labels is the mean of the two half-steps' messages, each
+                refreshed from the labels current at its half-step.
+
+Options (each a named constructor argument):
+    halting     "act" (adaptive computation time) or "exit" (confidence-based exit at
+                inference), ``inference.halting``; frozen halted tokens, masks only.
+    span        adaptive attention span: a learned span z_c per channel and the soft
+                distance mask m(x) = clamp((R + z_c - x) / R, 0, 1) on token arcs at
+                distance x, added as the log prior log m(x) on the head variables (a
+                potential on H, so the ELBO still bounds log Z of the CRF with that prior).
 """
 
 from __future__ import annotations
@@ -31,12 +43,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference import head_kernels
+from inference.halting import ACT, HALTING, HALTING_SOURCES, ConfidenceExit
 from inference.head_kernels import HeadStructure
 from inference.posterior import Posterior
 
 __all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
 
-SCHEDULES = ("async", "parallel", "sequential")
+SCHEDULES = ("async", "parallel", "sequential", "macaron")
 KERNELS = ("auto", "naive", "fused")
 # perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
 _AUTO_FUSED_MIN_NODES = 129
@@ -135,6 +148,11 @@ class MeanField(nn.Module):
             or a (labels, heads) pair.
         step_size: alpha in (0, 1]: marginals <- (1 - alpha) * previous + alpha * new.
         weights: "crf" (all 1), "reference" (PT code), a dict or ``MessageWeights``.
+        halting: "none", "act" or "exit"; halting_source: what the ACT halting unit
+            reads, "posterior" (the label marginals) or "delta" (max |q_t - q_{t-1}|);
+            act_epsilon: ACT's epsilon; exit_threshold: the confidence that ends a token
+            (``forward(..., confidence=fn)`` supplies the confidence of label logits).
+        span: adaptive attention span with spans in [0, span_max] and ramp span_ramp.
     """
 
     def __init__(
@@ -149,6 +167,13 @@ class MeanField(nn.Module):
         step_size=1.0,
         weights=None,
         mup_scales: MupScales | None = None,
+        halting: str = "none",
+        halting_source: str = "posterior",
+        act_epsilon: float = 0.01,
+        exit_threshold: float = 0.9,
+        span: bool = False,
+        span_max: int = 64,
+        span_ramp: int = 8,
     ):
         super().__init__()
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
@@ -166,10 +191,33 @@ class MeanField(nn.Module):
         self.step_size = _pair("step_size", step_size, 0.0, 1.0, low_open=True)
         self.weights = MessageWeights.parse(weights, crf.labels)
         self.mup_scales = mup_scales or MupScales.reconstruction(crf)
-        heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential"
+        if halting not in HALTING or halting_source not in HALTING_SOURCES:
+            raise ValueError(
+                f"halting must be one of {list(HALTING)} and halting_source one of {list(HALTING_SOURCES)}, "
+                f"got {halting!r}, {halting_source!r}"
+            )
+        if not 0 < act_epsilon < 1 or not 0 < exit_threshold <= 1:
+            raise ValueError(
+                f"act_epsilon must lie in (0, 1) and exit_threshold in (0, 1], got {act_epsilon}, {exit_threshold}"
+            )
+        if halting != "none" and schedule == "sequential":
+            raise ValueError("halting needs an unrolled schedule ('async', 'parallel' or 'macaron'), not 'sequential'")
+        if schedule == "macaron" and not crf.global_labels:
+            raise ValueError("schedule 'macaron' alternates global and head updates: the CRF needs global_labels > 0")
+        if span and (span_max < 1 or span_ramp < 1):
+            raise ValueError(f"span_max and span_ramp must be >= 1, got {span_max}, {span_ramp}")
+        self.halting, self.halting_source = halting, halting_source
+        self.act_epsilon, self.exit_threshold = float(act_epsilon), float(exit_threshold)
+        if halting == "act":  # p_t = sigmoid(w . features + b)
+            self.halting_unit = nn.Linear(crf.labels if halting_source == "posterior" else 1, 1)
+        self.span_max, self.span_ramp = span_max, span_ramp
+        # spans start at the maximum: the span penalty (the model's loss) shrinks them
+        self.span = nn.Parameter(torch.full((crf.channels,), float(span_max))) if span else None
+        heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential" or span
         if kernel == "fused" and heads_need_naive:
             raise ValueError(
-                "kernel='fused' supports no head damping/step size and no sequential schedule; use kernel='naive'"
+                "kernel='fused' supports no head damping/step size, no sequential schedule and no adaptive span; "
+                "use kernel='naive'"
             )
 
     def extra_repr(self) -> str:
@@ -203,6 +251,7 @@ class MeanField(nn.Module):
             or self.damping[1] > 0
             or self.step_size[1] < 1
             or self.schedule == "sequential"
+            or self.span is not None
             or not head_kernels.fused_available(device)
             or num_nodes < _AUTO_FUSED_MIN_NODES
         )
@@ -223,8 +272,21 @@ class MeanField(nn.Module):
             nodes=crf.node_mask(mask),
             token_arcs=crf.topology.mask(n)[:n, :n].to(tokens.device),
             band=crf.topology.band,
+            prior=None if self.span is None else self.span_prior(n, crf.topology.num_nodes(n)),
         )
         return tokens, mask, structure
+
+    def spans(self) -> torch.Tensor:
+        """``[C]`` the spans z_c in use (the parameter clamped to [0, span_max])."""
+        return self.span.clamp(0, self.span_max)
+
+    def span_prior(self, n: int, num_nodes: int) -> torch.Tensor:
+        """``[C, N, N]`` log m(|i - j|) on token arcs, 0 on arcs touching virtual nodes.
+        m is floored at 1e-6 so a row never loses every head."""
+        position = torch.arange(n, device=self.span.device)
+        distance = (position[None, :] - position[:, None]).abs().to(self.span.dtype)
+        soft = ((self.span_ramp + self.spans()[:, None, None] - distance) / self.span_ramp).clamp(1e-6, 1)
+        return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
     def project(self, q_z):
         """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals."""
@@ -261,10 +323,14 @@ class MeanField(nn.Module):
         return q_g, message
 
     def label_logits(self, unary, messages, topic_message):
+        """Label logits from the unary potentials, the head messages (None: none yet) and
+        the global message (None: no global variable)."""
         s = self.scales()
-        head = torch.einsum("bnkcr,kcdr->bnd", messages.forward, self.crf.ternary_u)
-        dependents = torch.einsum("bnkcr,kcdr->bnd", messages.reverse, self.crf.ternary_v)
-        logits = s["unary"] * unary + s["head"] * head + s["dependents"] * dependents
+        logits = s["unary"] * unary
+        if messages is not None:
+            head = torch.einsum("bnkcr,kcdr->bnd", messages.forward, self.crf.ternary_u)
+            dependents = torch.einsum("bnkcr,kcdr->bnd", messages.reverse, self.crf.ternary_v)
+            logits = logits + s["head"] * head + s["dependents"] * dependents
         if topic_message is not None:
             logits = logits + s["topic"] * topic_message
         return logits
@@ -303,12 +369,16 @@ class MeanField(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------
 
-    def forward(self, tokens, mask=None) -> Posterior:
+    def forward(self, tokens, mask=None, confidence=None) -> Posterior:
+        """``confidence``: label logits ``[B, N, d]`` -> ``[B, N]``, the confidence that
+        ends a token under ``halting="exit"`` (at inference; ignored otherwise)."""
         tokens, mask, structure = self.structure(tokens, mask)
         kernel = self.resolved_kernel(structure.nodes.shape[1], tokens.device)
         unary = self.crf.unary_table(tokens, mask)
-        run = self._sequential if self.schedule == "sequential" else self._unrolled
-        logits, last, history, extra = run(unary, mask, structure, kernel)
+        if self.schedule == "sequential":
+            logits, last, history, extra = self._sequential(unary, mask, structure, kernel)
+        else:
+            logits, last, history, extra = self._unrolled(unary, mask, structure, kernel, confidence)
         logits = logits * structure.nodes[..., None]
         q_z = logits.softmax(-1) * structure.nodes[..., None]
         q_g = self.topic(q_z, mask)[0] if self.crf.global_labels else None
@@ -332,38 +402,74 @@ class MeanField(nn.Module):
             elbo=lambda: self.elbo(logits, unary, mask, structure, kernel),
             logits=logits,
             trace=trace,
+            history=history,
+            halting=extra.get("halting"),
         )
 
-    def _unrolled(self, unary, mask, structure, kernel):
-        """async and parallel schedules: the transformer-like computation."""
+    def _unrolled(self, unary, mask, structure, kernel, confidence=None):
+        """async, parallel and macaron schedules: the transformer-like computation."""
         beta_z, _ = self.damping
         alpha_z, _ = self.step_size
         nodes = structure.nodes[..., None]
         logits, used_q, heads = unary, None, None
         lagged = None  # parallel: projections (and labels) of the previous iteration
+        topic_late = None  # macaron: the second half-step's global message
         history, deltas, all_heads = [], [], []
-        for _ in range(self.iterations):
+        act = ACT(structure.nodes, self.act_epsilon, unary.dtype) if self.halting == "act" else None
+        use_exit = self.halting == "exit" and not self.training and confidence is not None
+        exit_ = ConfidenceExit(structure.nodes, self.exit_threshold, unary.dtype) if use_exit else None
+        for t in range(self.iterations):
+            previous = logits
             q_z = logits.softmax(-1)
             if used_q is not None and alpha_z != 1.0:
                 q_z = (1 - alpha_z) * used_q + alpha_z * q_z
             used_q = q_z
             q_z = q_z * nodes
-            query, key = self.project(q_z)
-            if self.schedule == "async":
-                source = (query, key, q_z)
-            else:  # zero projections and labels give uniform heads and globals at t = 0
-                source = lagged or (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(q_z))
-                lagged = (query, key, q_z)
-            heads = self.heads(source[0], source[1], key, query, structure, kernel, heads)
-            topic_message = self.topic(source[2], mask)[1] if self.crf.global_labels else None
-            new = self.label_logits(unary, heads, topic_message)
+            if self.schedule == "macaron":
+                new, heads, topic_late = self._macaron(unary, q_z, mask, structure, kernel, heads, topic_late)
+            else:
+                query, key = self.project(q_z)
+                if self.schedule == "async":
+                    source = (query, key, q_z)
+                else:  # zero projections and labels give uniform heads and globals at t = 0
+                    source = lagged or (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(q_z))
+                    lagged = (query, key, q_z)
+                heads = self.heads(source[0], source[1], key, query, structure, kernel, heads)
+                topic_message = self.topic(source[2], mask)[1] if self.crf.global_labels else None
+                new = self.label_logits(unary, heads, topic_message)
             logits = beta_z * logits + (1 - beta_z) * new if beta_z else new
             if self.dropout:
                 logits = F.dropout(logits, self.dropout, self.training)
-            deltas.append((logits.softmax(-1) - used_q).abs().amax((1, 2)))
+            running = act.running if act else exit_.running if exit_ else None
+            if running is not None:  # halted nodes keep their logits
+                logits = torch.where(running[..., None], logits, previous)
+            change = (logits.softmax(-1) - used_q).abs().amax(-1)  # [B, N]
+            if act is not None:
+                features = logits.softmax(-1) if self.halting_source == "posterior" else change[..., None]
+                act.step(logits, torch.sigmoid(self.halting_unit(features)).squeeze(-1), t == self.iterations - 1)
+            if exit_ is not None:
+                exit_.step(confidence(logits))
+            deltas.append((change * structure.nodes).amax(-1))
             history.append(logits)
             all_heads.append(heads)
-        return logits, heads, history, {"max_delta": torch.stack(deltas).detach(), "heads": all_heads}
+        extra = {"max_delta": torch.stack(deltas).detach(), "heads": all_heads}
+        if act is not None:
+            logits, extra["halting"] = act.output, act.summary()
+        elif exit_ is not None:
+            extra["halting"] = exit_.summary()
+        return logits, heads, history, extra
+
+    def _macaron(self, unary, q_z, mask, structure, kernel, heads, topic_late):
+        """One Macaron iteration: half-step global, head update, half-step global."""
+        nodes = structure.nodes[..., None]
+        topic_early = self.topic(q_z, mask)[1]
+        late = torch.zeros_like(topic_early) if topic_late is None else topic_late
+        q_z = self.label_logits(unary, heads, 0.5 * (topic_early + late)).softmax(-1) * nodes
+        query, key = self.project(q_z)
+        heads = self.heads(query, key, key, query, structure, kernel, heads)
+        q_z = self.label_logits(unary, heads, 0.5 * (topic_early + late)).softmax(-1) * nodes
+        topic_late = self.topic(q_z, mask)[1]
+        return self.label_logits(unary, heads, 0.5 * (topic_early + topic_late)), heads, topic_late
 
     def _sequential(self, unary, mask, structure, kernel):
         """Coordinate ascent: refresh every head and global marginal, then one node's labels."""

@@ -22,6 +22,8 @@ class Posterior:
     logits: ``[B, N, d]`` final unnormalised label logits (variational engines) or None.
     trace: per-iteration diagnostics (variational engines), a dict of tensors.
 
+    history: the label logits ``[B, N, d]`` after each iteration (variational engines).
+    halting: per-node halting bookkeeping (``inference.halting``) or None.
     ``h``, ``elbo`` and ``trace`` may be given as zero-argument callables: they are
     then computed on first access (an engine that never materialises the ``n x n``
     head marginals builds them only when asked).
@@ -36,8 +38,11 @@ class Posterior:
         elbo: torch.Tensor | Callable[[], torch.Tensor] | None = None,
         logits: torch.Tensor | None = None,
         trace: dict | Callable[[], dict] | None = None,
+        history: list[torch.Tensor] | None = None,
+        halting: dict | None = None,
     ):
         self.z, self.g, self.log_partition, self.logits = z, g, log_partition, logits
+        self.history, self.halting = history, halting
         self._lazy = {"h": h, "elbo": elbo, "trace": trace if trace is not None else {}}
 
     def _get(self, name):

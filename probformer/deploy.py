@@ -71,7 +71,7 @@ def _kind_and_config(model) -> tuple[str, dict]:
     config.update(
         labels=crf.labels,
         channels=crf.channels,
-        rank=crf.rank,
+        rank=crf.ternary_factors()[0].shape[-1],  # the effective rank of any ternary form
         global_labels=crf.global_labels,
         topology=topology,
         gamma=crf.gamma,
@@ -89,6 +89,8 @@ def to_runtime(model) -> tuple[nn.Module, dict]:
     with torch.device("meta"):  # dtype and device come from the source's tensors
         twin = runtime.RUNTIMES[kind](config)
     source = model.state_dict()
+    if kind == "probabilistic_transformer":  # CP / Tucker forms: export the factors they compute
+        source.update(zip(("crf.ternary_u", "crf.ternary_v"), model.crf.ternary_factors()))
     twin.load_state_dict({k: source[k].detach().clone() for k in twin.state_dict()}, assign=True)
     twin.requires_grad_(False)
     meta = {"format": runtime.FORMAT, "model": kind, "config": config}

@@ -35,6 +35,8 @@ class PTConfig(ConfigMixin):
     rank: int = 64  # r: per-channel rank of the ternary tables
     global_labels: int = 0  # g: the FFN-like global variable (0: none)
     topology: str = "full"
+    ternary_form: str = "low_rank"  # "low_rank" (U V^T per channel), "cp" or "tucker" (graphs.CRF)
+    ternary_blocks: int = 1  # Tucker blocks of the "tucker" form
     gamma: int = 3  # distance clip: 2 (gamma + 1) relative-position groups
     iterations: int = 5  # T: layers
     schedule: str = "async"
@@ -60,8 +62,15 @@ class PTConfig(ConfigMixin):
                 "iterations": 1,
                 "num_classes": 0,
                 "mup_base_width": 0,
+                "ternary_blocks": 1,
             }
         )
+        if self.ternary_form not in graphs.TERNARY_FORMS:
+            raise ValueError(
+                f"config key 'ternary_form' must be one of {list(graphs.TERNARY_FORMS)}, got {self.ternary_form!r}"
+            )
+        if self.mup and self.ternary_form != "low_rank":
+            raise ValueError("config key 'mup' needs ternary_form='low_rank' (μP roles of CP/Tucker factors: not derived)")
         if self.mup_paradigm not in PARADIGMS:
             raise ValueError(f"config key 'mup_paradigm' must be one of {list(PARADIGMS)}, got {self.mup_paradigm!r}")
         inference.MessageWeights.parse(self.weights, self.labels)  # raises naming a bad weight
@@ -87,6 +96,8 @@ class ProbabilisticTransformer(nn.Module):
             global_labels=config.global_labels,
             topology=config.topology,
             gamma=config.gamma,
+            ternary_form=config.ternary_form,
+            ternary_blocks=config.ternary_blocks,
         )
         # under μP the information weights are hyper-parameters of the base width, held fixed
         weights_width = mup.base_width(config) if config.mup else config.labels

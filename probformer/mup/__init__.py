@@ -115,6 +115,9 @@ def roles(model) -> dict[str, str]:
         "crf.ternary_u": "hidden",
         "crf.ternary_v": "hidden",
         "crf.binary": "hidden",
+        # the CP and Tucker forms of the ternary tensor (μP refuses them; standard groups)
+        **{f"crf.{name}": "hidden" for name in ("cp_dependent", "cp_head", "cp_channel")},
+        **{f"crf.{name}": "hidden" for name in ("tucker_dependent", "tucker_head", "tucker_core")},
         "head.decoder.weight": "output",
         "head.decoder.bias": "input",
     }
