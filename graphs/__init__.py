@@ -4,9 +4,9 @@
 """
 
 from graphs import topology
-from graphs.crf import CRF, TERNARY_FORMS, distance_groups
+from graphs.crf import CRF, GLOBAL_MEMORIES, TERNARY_FORMS, distance_groups
 
-__all__ = ["CRF", "TERNARY_FORMS", "distance_groups", "topology"]
+__all__ = ["CRF", "GLOBAL_MEMORIES", "TERNARY_FORMS", "distance_groups", "topology"]
 
 from graphs.particle_view import ParticleView  # noqa: E402
 

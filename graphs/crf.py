@@ -33,6 +33,14 @@ factors ``ternary_u`` / ``ternary_v``, which the other forms compute:
     "tucker"    T[k, c] = sum_m A_m[k] G_m[k, c] B_m[k]^T   (block-term: ``ternary_blocks``
                 Tucker blocks of multilinear rank (r, r), a core per channel)
                 -> ternary_u[k, c] = [A_m[k] G_m[k, c]]_m, ternary_v[k, c] = [B_m[k]]_m
+
+The global variable can be a **product-key memory** (``global_memory="product_key"``,
+Lample et al. 2019) with g = s^2 values m = (m1, m2): value m scores
+``q[:d/2] . memory_keys_first[m1] + q[d/2:] . memory_keys_second[m2]`` and carries the
+message ``binary[m]`` (its value vector). Engines take the posterior over the top k of
+the k^2 best pairs (``MeanField(memory_topk=k)``): exactly the dense softmax over all g
+values when k = s. Keys score and values message, so this global variable is a
+memory layer at the global factor's place, not a CRF factor (no ELBO).
 """
 
 from __future__ import annotations
@@ -48,9 +56,10 @@ from torch import nn
 from graphs import topology as topologies
 from graphs.topology import Topology
 
-__all__ = ["CRF", "distance_groups", "TERNARY_FORMS"]
+__all__ = ["CRF", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES"]
 
 TERNARY_FORMS = ("low_rank", "cp", "tucker")
+GLOBAL_MEMORIES = ("dense", "product_key")
 
 
 def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
@@ -83,6 +92,8 @@ class CRF(nn.Module):
         gamma: distance clip; token arcs fall into ``2 * (gamma + 1)`` groups.
         ternary_form: "low_rank" (per-channel U V^T), "cp" or "tucker" (see the module
             docstring); ``ternary_blocks``: the number of Tucker blocks.
+        global_memory: "dense" (the binary factor) or "product_key" (global_labels must
+            be a square, s^2).
     """
 
     def __init__(
@@ -96,6 +107,7 @@ class CRF(nn.Module):
         gamma: int = 3,
         ternary_form: str = "low_rank",
         ternary_blocks: int = 1,
+        global_memory: str = "dense",
     ):
         super().__init__()
         _check_int("vocab_size", vocab_size, minimum=1)
@@ -109,6 +121,14 @@ class CRF(nn.Module):
         if ternary_form not in TERNARY_FORMS:
             raise ValueError(f"ternary_form must be one of {list(TERNARY_FORMS)}, got {ternary_form!r}")
         self.ternary_form, self.ternary_blocks = ternary_form, ternary_blocks
+        if global_memory not in GLOBAL_MEMORIES:
+            raise ValueError(f"global_memory must be one of {list(GLOBAL_MEMORIES)}, got {global_memory!r}")
+        sub_keys = math.isqrt(global_labels)
+        if global_memory == "product_key" and (global_labels < 1 or sub_keys**2 != global_labels or labels < 2):
+            raise ValueError(
+                f"global_memory='product_key' needs global_labels = s^2 >= 1 and labels >= 2, got {global_labels}"
+            )
+        self.global_memory = global_memory
         self.vocab_size, self.labels, self.channels, self.rank = vocab_size, labels, channels, rank
         self.global_labels, self.gamma = global_labels, gamma
         self.topology = topologies.parse(topology if topology is not None else "full")
@@ -136,6 +156,10 @@ class CRF(nn.Module):
             self.binary = nn.Parameter(torch.randn(global_labels, labels) * labels**-0.5)
         else:
             self.register_parameter("binary", None)
+        if global_memory == "product_key":
+            half = labels // 2
+            self.memory_keys_first = nn.Parameter(torch.randn(sub_keys, half) * half**-0.5)
+            self.memory_keys_second = nn.Parameter(torch.randn(sub_keys, labels - half) * (labels - half) ** -0.5)
 
     def extra_repr(self) -> str:
         form = "" if self.ternary_form == "low_rank" else f", ternary_form={self.ternary_form!r}"
@@ -162,6 +186,11 @@ class CRF(nn.Module):
         u = torch.einsum("mkap,mkcpq->kcamq", self.tucker_dependent, self.tucker_core)  # [K, C, d, M, r]
         v = self.tucker_head.permute(1, 2, 0, 3)[:, None].expand(-1, C, -1, -1, -1)  # [K, C, d, M, r]
         return u.flatten(-2), v.flatten(-2)
+
+    def memory_scores(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Product-key sub-scores ``([..., s], [..., s])`` of label-space queries ``[..., d]``."""
+        half = self.labels // 2
+        return query[..., :half] @ self.memory_keys_first.T, query[..., half:] @ self.memory_keys_second.T
 
     def ternary_parameter_count(self) -> int:
         names = {"low_rank": "ternary_", "cp": "cp_", "tucker": "tucker_"}[self.ternary_form]
@@ -235,6 +264,13 @@ class CRF(nn.Module):
         # Padded positions may hold any id (e.g. -100); index them safely.
         return tokens.long().masked_fill(~mask, 0), mask
 
+    def _check_factor_graph(self) -> None:
+        if self.global_memory != "dense":
+            raise ValueError(
+                "a product-key memory is not a CRF factor (keys score, values message): the potential and "
+                "the Pyro model exist for global_memory='dense' only"
+            )
+
     def check_parameters(self) -> None:
         """Raise if any potential is NaN or infinite (it would poison every engine)."""
         if torch.compiler.is_compiling():
@@ -252,6 +288,7 @@ class CRF(nn.Module):
         for nodes with no legal head); g: ``[B, n]`` global values (needed iff global_labels).
         An illegal head gives ``-inf`` (the assignment has zero potential).
         """
+        self._check_factor_graph()
         tokens, mask = self.check_inputs(tokens, mask)
         self.check_parameters()
         B, n = tokens.shape
@@ -295,6 +332,7 @@ class CRF(nn.Module):
         function. Padded tokens get no factors (their sites integrate to one) and are
         never heads; a node with no legal head in a channel gets no head site.
         """
+        self._check_factor_graph()
         tokens, mask = self.check_inputs(tokens, mask)
         self.check_parameters()
         B, n = tokens.shape

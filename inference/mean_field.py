@@ -153,6 +153,8 @@ class MeanField(nn.Module):
             act_epsilon: ACT's epsilon; exit_threshold: the confidence that ends a token
             (``forward(..., confidence=fn)`` supplies the confidence of label logits).
         span: adaptive attention span with spans in [0, span_max] and ramp span_ramp.
+        memory_topk: k, the product-key memory's candidates per half and values kept
+            (``graphs.CRF(global_memory="product_key")``).
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class MeanField(nn.Module):
         span: bool = False,
         span_max: int = 64,
         span_ramp: int = 8,
+        memory_topk: int = 32,
     ):
         super().__init__()
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
@@ -206,6 +209,9 @@ class MeanField(nn.Module):
             raise ValueError("schedule 'macaron' alternates global and head updates: the CRF needs global_labels > 0")
         if span and (span_max < 1 or span_ramp < 1):
             raise ValueError(f"span_max and span_ramp must be >= 1, got {span_max}, {span_ramp}")
+        if isinstance(memory_topk, bool) or not isinstance(memory_topk, int) or memory_topk < 1:
+            raise ValueError(f"memory_topk must be an integer >= 1, got {memory_topk!r}")
+        self.memory_topk = memory_topk
         self.halting, self.halting_source = halting, halting_source
         self.act_epsilon, self.exit_threshold = float(act_epsilon), float(exit_threshold)
         if halting == "act":  # p_t = sigmoid(w . features + b)
@@ -314,13 +320,38 @@ class MeanField(nn.Module):
         )
 
     def topic(self, q_z, mask):
-        """Global-variable marginals ``[B, n, g]`` and their message to the labels ``[B, N, d]``."""
+        """Global-variable marginals ``[B, n, g]`` and their message to the labels ``[B, N, d]``.
+        A product-key memory returns its marginals as ``(probabilities, values)``, each
+        ``[B, n, k]``: the k values it kept."""
         n = mask.shape[1]
         binary = self.crf.binary
-        q_g = (self.scales()["topic_logits"] * q_z[:, :n] @ binary.T).softmax(-1) * mask[..., None]
+        query = self.scales()["topic_logits"] * q_z[:, :n]
+        if self.crf.global_memory == "product_key":
+            probs, index = self.memory_posterior(query, self.memory_topk)
+            probs = probs * mask[..., None]
+            dropped = F.dropout(probs, self.dropout, self.training) if self.dropout else probs
+            message = (dropped[..., None] * binary[index]).sum(-2)
+            return (probs, index), F.pad(message, (0, 0, 0, q_z.shape[1] - n))
+        q_g = (query @ binary.T).softmax(-1) * mask[..., None]
         dropped = F.dropout(q_g, self.dropout, self.training) if self.dropout else q_g
         message = F.pad(dropped @ binary, (0, 0, 0, q_z.shape[1] - n))
         return q_g, message
+
+    def memory_posterior(self, query, topk: int | None):
+        """Product-key posterior: ``(probabilities, value ids)`` ``[..., k]`` over the top k of
+        the k^2 pairs of each half's top k (``topk=None``: all g values, dense)."""
+        first, second = self.crf.memory_scores(query)  # [..., s] each
+        s = first.shape[-1]
+        if topk is None:  # every pair: the dense posterior
+            pair = (first[..., :, None] + second[..., None, :]).flatten(-2)
+            index = torch.arange(s * s, device=query.device).expand_as(pair)
+            return pair.softmax(-1), index
+        first, first_index = first.topk(min(topk, s), dim=-1)
+        second, second_index = second.topk(min(topk, s), dim=-1)
+        pair = (first[..., :, None] + second[..., None, :]).flatten(-2)  # [..., k^2]
+        pair_index = (first_index[..., :, None] * s + second_index[..., None, :]).flatten(-2)
+        best, chosen = pair.topk(min(topk, pair.shape[-1]), dim=-1)
+        return best.softmax(-1), pair_index.gather(-1, chosen)
 
     def label_logits(self, unary, messages, topic_message):
         """Label logits from the unary potentials, the head messages (None: none yet) and
@@ -340,7 +371,9 @@ class MeanField(nn.Module):
     def elbo(self, logits, unary, mask, structure, kernel="naive"):
         """``[B]`` ELBO of q_z = softmax(logits) with the head and global marginals at their
         optimum given q_z, under the CRF's own potentials (any weights or μP): a member
-        of the mean-field family, so always <= log Z."""
+        of the mean-field family, so always <= log Z. (None of this holds for a product-key
+        memory, which is not a CRF factor: ``ValueError``.)"""
+        self.crf._check_factor_graph()
         nodes = structure.nodes[..., None]
         log_q = logits.log_softmax(-1)
         q_z = log_q.exp() * nodes
@@ -391,9 +424,11 @@ class MeanField(nn.Module):
             return head_kernels.softmax_with_null(logits_h, structure.has_head)[0]
 
         def trace():
-            per_iteration = torch.stack([self.elbo(x, unary, mask, structure, kernel) for x in history])
             heads = torch.stack([head_marginals(m) for m in extra["heads"]])
-            return {**extra, "elbo": per_iteration, "logits": torch.stack(history), "heads": heads}
+            found = {**extra, "logits": torch.stack(history), "heads": heads}
+            if self.crf.global_memory == "dense":  # a product-key memory has no ELBO
+                found["elbo"] = torch.stack([self.elbo(x, unary, mask, structure, kernel) for x in history])
+            return found
 
         return Posterior(
             z=q_z,

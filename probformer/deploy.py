@@ -59,6 +59,14 @@ def _kind_and_config(model) -> tuple[str, dict]:
         raise ValueError(f"schedule {engine.schedule!r} cannot be exported; allowed: ['async', 'parallel']")
     if engine.damping != (0.0, 0.0) or engine.step_size != (1.0, 1.0):
         raise ValueError("mean field with damping or step sizes cannot be exported (the runtime has neither)")
+    extras = {
+        "halting": engine.halting != "none",
+        "span": engine.span is not None,
+        "global_memory='product_key'": crf.global_memory != "dense",
+    }
+    if any(extras.values()):
+        names = [name for name, used in extras.items() if used]
+        raise ValueError(f"the runtime has no {', '.join(names)} yet: this model cannot be exported")
     topology = crf.topology.name
     for n in range(1, 13):  # the runtime restates the topology rules: they must agree
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import graphs
@@ -49,6 +50,20 @@ class PTConfig(ConfigMixin):
     task: str = "mlm"
     num_classes: int = 0  # tagging / classification outputs
     pooling: str = "mean"
+    # adaptive computation (inference.halting): "act" (ponder cost in the loss) or "exit"
+    halting: str = "none"
+    halting_source: str = "posterior"  # what ACT's halting unit reads: "posterior" or "delta"
+    act_epsilon: float = 0.01
+    ponder_cost: float = 0.01  # tau: loss += tau * mean ponder cost N(t) + R(t)
+    exit_threshold: float = 0.9  # "exit": a token stops when its output max probability >= this
+    aligned_training: bool = False  # loss over every iteration's output (depth-adaptive training)
+    # adaptive attention span (MeanField(span=True)); loss += span_penalty * mean span
+    span: bool = False
+    span_max: int = 64
+    span_ramp: int = 8
+    span_penalty: float = 1e-3
+    global_memory: str = "dense"  # "dense" or "product_key" (global_labels = s^2)
+    memory_topk: int = 32
 
     def __post_init__(self):
         self.check_integers(
@@ -63,14 +78,36 @@ class PTConfig(ConfigMixin):
                 "num_classes": 0,
                 "mup_base_width": 0,
                 "ternary_blocks": 1,
+                "span_max": 1,
+                "span_ramp": 1,
+                "memory_topk": 1,
             }
         )
+        for key in ("ponder_cost", "span_penalty"):
+            if not isinstance(getattr(self, key), int | float) or getattr(self, key) < 0:
+                raise ValueError(f"config key {key!r} must be a number >= 0, got {getattr(self, key)!r}")
+        if self.global_memory not in graphs.GLOBAL_MEMORIES:
+            raise ValueError(
+                f"config key 'global_memory' must be one of {list(graphs.GLOBAL_MEMORIES)}, got {self.global_memory!r}"
+            )
+        if (self.halting == "exit" or self.aligned_training) and self.task == "classification":
+            raise ValueError(
+                "config keys 'halting'='exit' and 'aligned_training' need per-token outputs, not task 'classification'"
+            )
+        new_parameters = self.halting == "act" or self.span or self.global_memory != "dense"
+        if self.mup and new_parameters:
+            raise ValueError(
+                "config key 'mup' cannot be combined with halting='act', span or a product-key memory "
+                "(their μP roles are not derived)"
+            )
         if self.ternary_form not in graphs.TERNARY_FORMS:
             raise ValueError(
                 f"config key 'ternary_form' must be one of {list(graphs.TERNARY_FORMS)}, got {self.ternary_form!r}"
             )
         if self.mup and self.ternary_form != "low_rank":
-            raise ValueError("config key 'mup' needs ternary_form='low_rank' (μP roles of CP/Tucker factors: not derived)")
+            raise ValueError(
+                "config key 'mup' needs ternary_form='low_rank' (μP roles of CP/Tucker factors: not derived)"
+            )
         if self.mup_paradigm not in PARADIGMS:
             raise ValueError(f"config key 'mup_paradigm' must be one of {list(PARADIGMS)}, got {self.mup_paradigm!r}")
         inference.MessageWeights.parse(self.weights, self.labels)  # raises naming a bad weight
@@ -98,6 +135,7 @@ class ProbabilisticTransformer(nn.Module):
             gamma=config.gamma,
             ternary_form=config.ternary_form,
             ternary_blocks=config.ternary_blocks,
+            global_memory=config.global_memory,
         )
         # under μP the information weights are hyper-parameters of the base width, held fixed
         weights_width = mup.base_width(config) if config.mup else config.labels
@@ -110,6 +148,14 @@ class ProbabilisticTransformer(nn.Module):
             dropout=config.dropout,
             weights=inference.MessageWeights.parse(config.weights, weights_width),
             mup_scales=mup.engine_scales(config) if config.mup else None,
+            halting=config.halting,
+            halting_source=config.halting_source,
+            act_epsilon=config.act_epsilon,
+            exit_threshold=config.exit_threshold,
+            span=config.span,
+            span_max=config.span_max,
+            span_ramp=config.span_ramp,
+            memory_topk=config.memory_topk,
         )
         outputs = config.vocab_size if config.task == "mlm" else config.num_classes
         self.head = TaskHead(config.task, config.labels, outputs, config.pooling)
@@ -119,8 +165,32 @@ class ProbabilisticTransformer(nn.Module):
         """Task logits (``[B, n, V]`` for mlm, ``[B, n, classes]`` for tagging,
         ``[B, classes]`` for classification) and the mean-field ``Posterior``."""
         tokens, mask = self.crf.check_inputs(tokens, mask)
-        posterior = self.mean_field(tokens, mask)
+        confidence = None
+        if self.config.halting == "exit" and not self.training:
+
+            def confidence(logits):  # the output distribution's top probability; virtual nodes never exit
+                top = self.head(logits, mask).softmax(-1).amax(-1)
+                return F.pad(top, (0, logits.shape[1] - top.shape[1]))
+
+        posterior = self.mean_field(tokens, mask, confidence=confidence)
         return self.head(posterior.logits, mask), posterior
+
+    def auxiliary_loss(self, posterior, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """What the trainer adds to the task loss: ACT's ponder cost, the span penalty and,
+        with ``aligned_training``, the task loss of every earlier iteration's output
+        (per target token, like the task loss). None when there is nothing to add."""
+        config, n, terms = self.config, mask.shape[1], []
+        if posterior.halting is not None and "ponder" in posterior.halting and config.ponder_cost:
+            ponder = posterior.halting["ponder"][:, :n]
+            terms.append(config.ponder_cost * (ponder * mask).sum() / mask.sum().clamp(min=1))
+        if self.mean_field.span is not None and config.span_penalty:
+            terms.append(config.span_penalty * self.mean_field.spans().mean())
+        if config.aligned_training:
+            count = (targets != -100).sum().clamp(min=1)
+            for logits in posterior.history[:-1]:
+                outputs = self.head(logits, mask).float()
+                terms.append(F.cross_entropy(outputs.transpose(1, 2), targets, reduction="sum") / count)
+        return sum(terms) if terms else None
 
     def diagnostic_trace(self, tokens, mask=None) -> dict:
         """The diagnostics protocol (``probformer.diagnostics.report``): per iteration the
@@ -129,4 +199,7 @@ class ProbabilisticTransformer(nn.Module):
         tokens, mask = self.crf.check_inputs(tokens, mask)
         trace = self.mean_field(tokens, mask).trace
         n = tokens.shape[1]
-        return {"hidden": trace["logits"][:, :, :n], "attention": trace["heads"][..., :n, :n], "elbo": trace["elbo"]}
+        found = {"hidden": trace["logits"][:, :, :n], "attention": trace["heads"][..., :n, :n]}
+        if "elbo" in trace:  # not for a product-key memory
+            found["elbo"] = trace["elbo"]
+        return found

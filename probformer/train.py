@@ -284,11 +284,14 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * self.lr_factor(self.step)
         self.wrapped.train()
+        auxiliary = getattr(self.model, "auxiliary_loss", None)  # ponder cost, span penalty, ...
         with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=train.bf16):
-            logits, _ = self.wrapped(inputs[rows], mask[rows])
+            logits, output = self.wrapped(inputs[rows], mask[rows])
+            extra = auxiliary(output, mask[rows], targets[rows]) if auxiliary else None
         loss_sum = F.cross_entropy(logits.float().transpose(1, 2), targets[rows], reduction="sum")
         # DDP averages gradients over processes: scale so the result is the global mean
-        (loss_sum * self.world / max(count, 1)).backward()
+        objective = loss_sum * self.world / max(count, 1)
+        (objective if extra is None else objective + extra).backward()
         if train.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.clip)
         self.optimizer.step()

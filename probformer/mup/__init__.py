@@ -118,6 +118,12 @@ def roles(model) -> dict[str, str]:
         # the CP and Tucker forms of the ternary tensor (μP refuses them; standard groups)
         **{f"crf.{name}": "hidden" for name in ("cp_dependent", "cp_head", "cp_channel")},
         **{f"crf.{name}": "hidden" for name in ("tucker_dependent", "tucker_head", "tucker_core")},
+        # options that μP refuses (standard groups): ACT's halting unit, spans, memory keys
+        "mean_field.halting_unit.weight": "output",
+        "mean_field.halting_unit.bias": "input",
+        "mean_field.span": "input",
+        "crf.memory_keys_first": "hidden",
+        "crf.memory_keys_second": "hidden",
         "head.decoder.weight": "output",
         "head.decoder.bias": "input",
     }
