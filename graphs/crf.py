@@ -252,7 +252,7 @@ class CRF(nn.Module):
                 raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask))}")
             if mask.shape != tokens.shape:
                 raise ValueError(f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}")
-        if torch.compiler.is_compiling():  # value checks are data-dependent: eager only
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # value checks: eager only
             return tokens.long().masked_fill(~mask, 0), mask
         empty = (~mask.any(dim=1)).nonzero().flatten()
         if len(empty):
@@ -273,7 +273,7 @@ class CRF(nn.Module):
 
     def check_parameters(self) -> None:
         """Raise if any potential is NaN or infinite (it would poison every engine)."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
             return
         for name, param in self.named_parameters():
             if not torch.isfinite(param).all():
