@@ -30,7 +30,7 @@ from probformer.evaluate import load_any
 from probformer.train import train
 
 CONFIGS = Path("configs/variants")
-EXIT_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.6, 0.4, 0.2)
+EXIT_THRESHOLDS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02)
 
 
 @torch.no_grad()
@@ -65,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default="", help="comma-separated names in configs/variants (default: all)")
     parser.add_argument("--steps", type=int, default=0, help="override train.steps (a smoke run; 0: the budget)")
+    parser.add_argument("--reuse", action="store_true", help="analyse the existing runs instead of training again")
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = args.configs.split(",") if args.configs else sorted(p.stem for p in CONFIGS.glob("*.toml"))
@@ -74,9 +75,12 @@ def main() -> None:
         if args.steps:
             config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=args.steps))
         run = Path("runs/benchmarks/variants") / name
-        if run.exists():
-            shutil.rmtree(run)
-        summary = train(config, run, progress=False)
+        if args.reuse:
+            summary = json.loads((run / "summary.json").read_text())
+        else:
+            if run.exists():
+                shutil.rmtree(run)
+            summary = train(config, run, progress=False)
         row = {
             "command": f"probformer train --config configs/variants/{name}.toml",
             "parameters": summary["parameters"],

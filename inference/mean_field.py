@@ -217,8 +217,9 @@ class MeanField(nn.Module):
         if halting == "act":  # p_t = sigmoid(w . features + b)
             self.halting_unit = nn.Linear(crf.labels if halting_source == "posterior" else 1, 1)
         self.span_max, self.span_ramp = span_max, span_ramp
-        # spans start at the maximum: the span penalty (the model's loss) shrinks them
-        self.span = nn.Parameter(torch.full((crf.channels,), float(span_max))) if span else None
+        # the span as a fraction of span_max (an optimiser step moves it by ~lr of the range,
+        # as in Sukhbaatar et al.); spans start at the maximum, the span penalty shrinks them
+        self.span = nn.Parameter(torch.ones(crf.channels)) if span else None
         heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential" or span
         if kernel == "fused" and heads_need_naive:
             raise ValueError(
@@ -283,8 +284,8 @@ class MeanField(nn.Module):
         return tokens, mask, structure
 
     def spans(self) -> torch.Tensor:
-        """``[C]`` the spans z_c in use (the parameter clamped to [0, span_max])."""
-        return self.span.clamp(0, self.span_max)
+        """``[C]`` the spans z_c in use: span_max times the parameter clamped to [0, 1]."""
+        return self.span_max * self.span.clamp(0, 1)
 
     def span_prior(self, n: int, num_nodes: int) -> torch.Tensor:
         """``[C, N, N]`` log m(|i - j|) on token arcs, 0 on arcs touching virtual nodes.

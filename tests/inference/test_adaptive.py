@@ -125,7 +125,7 @@ def test_exit_at_threshold_one_is_the_plain_engine_and_low_thresholds_stop_at_on
 def test_span_mask_formula_and_full_span_is_no_mask():
     engine = inference.MeanField(crf(topology="full | root()"), iterations=2, span=True, span_max=10, span_ramp=4)
     with torch.no_grad():
-        engine.span.copy_(torch.tensor([1.5, 20.0]))  # the second is clamped to span_max
+        engine.span.copy_(torch.tensor([0.15, 2.0]))  # fractions of span_max; the second is clamped to 1
     prior = engine.span_prior(6, 7)
     for c, z in enumerate([1.5, 10.0]):
         for i in range(6):
@@ -147,7 +147,7 @@ def test_short_spans_keep_the_elbo_a_bound_under_the_span_prior():
     posterior moves mass to near heads."""
     engine = inference.MeanField(crf(topology="full"), iterations=3, span=True, span_max=8, span_ramp=1)
     with torch.no_grad():
-        engine.span.fill_(1.0)
+        engine.span.fill_(1 / 8)  # z = 1
     tokens, mask = batch()
     posterior = engine(tokens, mask)
     heads = posterior.h  # [B, C, N, N]
