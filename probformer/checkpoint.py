@@ -16,6 +16,7 @@ from probformer.baselines import Transformer, TransformerConfig
 from probformer.data import SubwordVocabulary, Vocabulary
 from probformer.particle_transformer import ParticleConfig, ParticleTransformer
 from probformer.probabilistic_transformer import ProbabilisticTransformer, PTConfig
+from probformer.runtime import check_state
 
 __all__ = ["save", "load", "MODELS", "FORMAT"]
 
@@ -90,16 +91,7 @@ def load(directory):
         weights = load_file(str(weights_path))
     except Exception as error:  # safetensors raises its own errors on truncated or foreign files
         raise ValueError(f"{weights_path} is not a readable safetensors file: {error}") from None
-    expected = _unique_state(model)
-    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-    wrong = [k for k in expected if expected[k].shape != weights[k].shape]
-    if wrong:
-        raise ValueError(
-            f"{weights_path}: shape mismatch for {wrong[:5]} (e.g. {wrong[0]}: "
-            f"{tuple(weights[wrong[0]].shape)} vs {tuple(expected[wrong[0]].shape)})"
-        )
+    check_state(weights, _unique_state(model), weights_path)
     model.load_state_dict(weights, strict=False)  # aliases of the saved tensors fill themselves
     vocabulary = None
     if (directory / "tokenizer.json").is_file():

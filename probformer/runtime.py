@@ -47,6 +47,7 @@ __all__ = [
     "TransformerRuntime",
     "RUNTIMES",
     "FORMAT",
+    "check_state",
     "load",
 ]
 
@@ -449,6 +450,20 @@ def read_config(directory) -> dict:
     return meta
 
 
+def check_state(weights: dict, expected: dict, path) -> None:
+    """Raise ``ValueError`` naming ``path`` unless ``weights`` has exactly the keys of
+    ``expected`` with the same shapes."""
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    wrong = [k for k in expected if expected[k].shape != weights[k].shape]
+    if wrong:
+        raise ValueError(
+            f"{path}: shape mismatch for {wrong[:5]} (e.g. {wrong[0]}: "
+            f"{tuple(weights[wrong[0]].shape)} in the file, {tuple(expected[wrong[0]].shape)} by the config)"
+        )
+
+
 def load(directory, device="cpu") -> nn.Module:
     """The model in an export directory (``config.json`` + ``model.safetensors``), in eval
     mode. Files that are not what they claim raise ``ValueError`` naming the file."""
@@ -469,15 +484,6 @@ def load(directory, device="cpu") -> nn.Module:
             model = RUNTIMES[meta["model"]](meta["config"])
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{directory / 'config.json'}: bad config value: {error!r}") from None
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-    wrong = [k for k in expected if expected[k].shape != weights[k].shape]
-    if wrong:
-        raise ValueError(
-            f"{weights_path}: shape mismatch for {wrong[:5]} (e.g. {wrong[0]}: "
-            f"{tuple(weights[wrong[0]].shape)} in the file, {tuple(expected[wrong[0]].shape)} by the config)"
-        )
+    check_state(weights, model.state_dict(), weights_path)
     model.load_state_dict(weights, assign=True)
     return model.requires_grad_(False).eval()
