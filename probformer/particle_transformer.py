@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from probformer.config import ConfigMixin
-from probformer.runtime import POOLINGS, TASKS, Block, TaskHead, check_token_inputs
+from probformer.runtime import (
+    POOLINGS,
+    TASKS,
+    Block,
+    TaskHead,
+    check_token_inputs,
+    log_attention_mass,
+    normalised_ess,
+)
 
 __all__ = ["ParticleConfig", "ParticleTransformer", "RESAMPLING"]
 
@@ -79,18 +87,6 @@ class ParticleConfig(ConfigMixin):
             raise ValueError(f"config key 'task' must be one of {list(TASKS)} and 'pooling' 'mean'")
         if self.task != "mlm" and self.num_classes < 1:
             raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
-
-
-def log_attention_mass(attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, n]`` log of the attention each real token receives, relative to the mean (1)."""
-    mass = (attention * mask[:, :, None]).sum(1)  # sums to the number of real tokens
-    return torch.where(mask, mass.clamp(min=1e-30).log(), -math.inf)
-
-
-def normalised_ess(log_weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` ESS / (number of real tokens) of per-token log-weights."""
-    ess = (2 * log_weights.logsumexp(-1) - (2 * log_weights).logsumexp(-1)).exp()
-    return ess / mask.sum(-1)
 
 
 class ParticleTransformer(nn.Module):

@@ -36,6 +36,8 @@ __all__ = [
     "Block",
     "TaskHead",
     "check_token_inputs",
+    "log_attention_mass",
+    "normalised_ess",
     "NORMS",
     "TASKS",
     "POOLINGS",
@@ -330,6 +332,18 @@ class ProbabilisticTransformerRuntime(nn.Module):
 # ---- the Particle Transformer and the baselines ---------------------------------------
 
 
+def log_attention_mass(attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` log of the attention each real token receives, relative to the mean (1)."""
+    mass = (attention * mask[:, :, None]).sum(1)  # sums to the number of real tokens
+    return torch.where(mask, mass.clamp(min=1e-30).log(), -math.inf)
+
+
+def normalised_ess(log_weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` ESS / (number of real tokens) of per-token log-weights."""
+    ess = (2 * log_weights.logsumexp(-1) - (2 * log_weights).logsumexp(-1)).exp()
+    return ess / mask.sum(-1)
+
+
 class ParticleTransformerRuntime(nn.Module):
     """Blocks with importance log-weights as attention bias; every ``resample_every``
     blocks, sentences whose ESS / n is below ``ess_threshold`` resample: each position
@@ -361,11 +375,10 @@ class ParticleTransformerRuntime(nn.Module):
             attention = per_head.mean(1)
             x = x + mixed
             x = x + block.transition(x)
-            mass = (attention * mask[:, :, None]).sum(1)  # attention each token receives
-            log_weights = log_weights + torch.where(mask, mass.clamp(min=1e-30).log(), -math.inf)
+            log_weights = log_weights + log_attention_mass(attention, mask)
             log_weights = log_weights - log_weights.logsumexp(-1, keepdim=True) + real.log()
             if (index + 1) % config["resample_every"] == 0:
-                ess = (2 * log_weights.logsumexp(-1) - (2 * log_weights).logsumexp(-1)).exp() / real[:, 0]
+                ess = normalised_ess(log_weights, mask)
                 active = ess < config["ess_threshold"] if config["ess_threshold"] < 1 else torch.ones_like(mask[:, 0])
                 row = attention.clamp(min=1e-30).log().masked_fill(~mask[:, None, :], -math.inf)
                 ancestor = row.argmax(-1)[..., None].expand(-1, -1, x.shape[-1])
