@@ -46,13 +46,15 @@ class Topology:
     ``[n + len(virtual), n + len(virtual)]`` boolean mask. ``band = (left, right)``
     says, when it is known symbolically, that the token-token arcs are exactly the
     offsets ``-left <= j - i <= right`` (``math.inf`` for unbounded); None means an
-    arbitrary pattern. Engines use it to pick mask-free kernels.
+    arbitrary pattern. Engines use it to pick mask-free kernels. ``segment_length`` is
+    set by ``segments(l)``: arcs stay within a segment and the one before it.
     """
 
     name: str
     virtual: tuple[str, ...]
     build: Callable[[int], torch.Tensor]
     band: tuple[float, float] | None = None
+    segment_length: int | None = None
 
     @property
     def extra_nodes(self) -> int:
@@ -168,39 +170,60 @@ def root() -> Topology:
     return Topology("root()", ("root",), build, (0, 0))
 
 
-def clusters(k: int) -> Topology:
-    """SwarmFormer: k cluster nodes; token i belongs to cluster floor(i * k / n).
+def clusters(k: int, dynamic: bool = False) -> Topology:
+    """SwarmFormer: k cluster nodes that talk among themselves and broadcast back.
 
-    A token may choose its own cluster as head; a cluster may choose any of its
-    member tokens or any other cluster (clusters talk among themselves and
-    broadcast back). Tokens do not see each other: compose with ``window`` for
-    local token-token arcs.
+    Contiguous (default): token i belongs to cluster floor(i * k / n) (sizes differ by at
+    most one, any n); a token may choose its own cluster as head and a cluster any of its
+    members. ``dynamic=True``: every token may choose any cluster and every cluster any
+    token, so the head posterior of a token over the cluster nodes *is* its routing
+    distribution (``probformer.SwarmFormer``'s Gumbel-softmax routing reads it as a sample).
+    Clusters may always choose each other. Tokens do not see each other: compose with
+    ``window`` for local token-token arcs.
     """
     k = _check_positive("number of clusters k", k)
+    if not isinstance(dynamic, bool):
+        raise ValueError(f"clusters(dynamic=...) must be True or False, got {dynamic!r}")
 
     def build(n: int) -> torch.Tensor:
         out = torch.zeros(n + k, n + k, dtype=torch.bool)
-        member = (torch.arange(n) * k) // n  # contiguous, sizes differ by at most one
-        tokens = torch.arange(n)
-        out[tokens, n + member] = True
-        out[n + member, tokens] = True
+        if dynamic:
+            out[:n, n:] = True
+            out[n:, :n] = True
+        else:
+            member = (torch.arange(n) * k) // n  # contiguous, sizes differ by at most one
+            tokens = torch.arange(n)
+            out[tokens, n + member] = True
+            out[n + member, tokens] = True
         out[n:, n:] = True
         return out
 
-    return Topology(f"clusters({k})", tuple(f"cluster{c}" for c in range(k)), build, (0, 0))
+    name = f"clusters({k}, dynamic=True)" if dynamic else f"clusters({k})"
+    return Topology(name, tuple(f"cluster{c}" for c in range(k)), build, (0, 0))
 
 
-def segments(length: int) -> Topology:
-    """Folded context: segments of ``length`` tokens; a token may choose heads in its
-    own segment or in the previous segment (the condensed memory it folds in)."""
+def segments(length: int, causal: bool = False) -> Topology:
+    """Folded context: segments of ``length`` tokens; a token may choose heads in its own
+    segment or in the previous one (the condensed memory it folds in). With
+    ``causal=True`` a token sees only earlier tokens of its own segment (a language model).
+
+    Arcs never point into a later segment, so segment s's labels depend on segment s - 1
+    and not the reverse: ``inference.Folded`` runs mean field segment by segment with
+    segment s - 1's final posteriors as fixed messages (assumed-density filtering), in
+    memory bounded by ``length``. ``segment_length`` on the topology records ``length``.
+    """
     length = _check_positive("segment length l", length)
+    if not isinstance(causal, bool):
+        raise ValueError(f"segments(causal=...) must be True or False, got {causal!r}")
 
     def build(n: int) -> torch.Tensor:
         seg = torch.arange(n) // length
         gap = seg[:, None] - seg[None, :]  # dependent's segment minus head's segment
-        return (gap == 0) | (gap == 1)
+        same = (gap == 0) & (_offsets(n) < 0) if causal else gap == 0
+        return same | (gap == 1)
 
-    return Topology(f"segments({length})", (), build)
+    name = f"segments({length}, causal=True)" if causal else f"segments({length})"
+    return Topology(name, (), build, segment_length=length)
 
 
 NAMES: dict[str, Callable[..., Topology]] = {

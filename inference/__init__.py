@@ -24,3 +24,7 @@ __all__ += ["SMC", "SMCResult"]
 from inference.svi import mean_field_guide  # noqa: E402
 
 __all__ += ["mean_field_guide"]
+
+from inference.folding import Folded, FoldState  # noqa: E402
+
+__all__ += ["Folded", "FoldState"]

@@ -442,12 +442,14 @@ class MeanField(nn.Module):
             halting=extra.get("halting"),
         )
 
-    def _unrolled(self, unary, mask, structure, kernel, confidence=None):
-        """async, parallel and macaron schedules: the transformer-like computation."""
+    def _unrolled(self, unary, mask, structure, kernel, confidence=None, initial=None, frozen=None):
+        """async, parallel and macaron schedules: the transformer-like computation.
+        ``initial``: starting label logits (default the unary); ``frozen [B, N]``: nodes
+        whose logits never change (``inference.Folded``'s condensed memory)."""
         beta_z, _ = self.damping
         alpha_z, _ = self.step_size
         nodes = structure.nodes[..., None]
-        logits, used_q, heads = unary, None, None
+        logits, used_q, heads = (unary if initial is None else initial), None, None
         lagged = None  # parallel: projections (and labels) of the previous iteration
         topic_late = None  # macaron: the second half-step's global message
         history, deltas, all_heads = [], [], []
@@ -462,7 +464,7 @@ class MeanField(nn.Module):
             used_q = q_z
             q_z = q_z * nodes
             if self.schedule == "macaron":
-                new, heads, topic_late = self._macaron(unary, q_z, mask, structure, kernel, heads, topic_late)
+                new, heads, topic_late = self._macaron(unary, q_z, mask, structure, kernel, heads, topic_late, frozen)
             else:
                 query, key = self.project(q_z)
                 if self.schedule == "async":
@@ -477,7 +479,9 @@ class MeanField(nn.Module):
             if self.dropout:
                 logits = F.dropout(logits, self.dropout, self.training)
             running = act.running if act else exit_.running if exit_ else None
-            if running is not None:  # halted nodes keep their logits
+            if frozen is not None:
+                running = ~frozen if running is None else running & ~frozen
+            if running is not None:  # halted (and frozen) nodes keep their logits
                 logits = torch.where(running[..., None], logits, previous)
             change = (logits.softmax(-1) - used_q).abs().amax(-1)  # [B, N]
             if act is not None:
@@ -495,15 +499,22 @@ class MeanField(nn.Module):
             extra["halting"] = exit_.summary()
         return logits, heads, history, extra
 
-    def _macaron(self, unary, q_z, mask, structure, kernel, heads, topic_late):
-        """One Macaron iteration: half-step global, head update, half-step global."""
+    def _macaron(self, unary, q_z, mask, structure, kernel, heads, topic_late, frozen=None):
+        """One Macaron iteration: half-step global, head update, half-step global
+        (frozen nodes keep ``q_z`` through the half-steps)."""
         nodes = structure.nodes[..., None]
+        start = q_z
+
+        def half_step(messages, topic_message):
+            updated = self.label_logits(unary, messages, topic_message).softmax(-1) * nodes
+            return updated if frozen is None else torch.where(frozen[..., None], start, updated)
+
         topic_early = self.topic(q_z, mask)[1]
         late = torch.zeros_like(topic_early) if topic_late is None else topic_late
-        q_z = self.label_logits(unary, heads, 0.5 * (topic_early + late)).softmax(-1) * nodes
+        q_z = half_step(heads, 0.5 * (topic_early + late))
         query, key = self.project(q_z)
         heads = self.heads(query, key, key, query, structure, kernel, heads)
-        q_z = self.label_logits(unary, heads, 0.5 * (topic_early + late)).softmax(-1) * nodes
+        q_z = half_step(heads, 0.5 * (topic_early + late))
         topic_late = self.topic(q_z, mask)[1]
         return self.label_logits(unary, heads, 0.5 * (topic_early + topic_late)), heads, topic_late
 

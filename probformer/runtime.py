@@ -205,7 +205,8 @@ def _term_mask(name: str, args: list, n: int, device) -> torch.Tensor:
     if name == "segments":
         segment = torch.div(position, args[0], rounding_mode="floor")
         gap = segment[:, None] - segment[None, :]
-        return (gap == 0) | (gap == 1)
+        causal = len(args) > 1 and args[1]
+        return ((gap == 0) & (offset < 0) if causal else gap == 0) | (gap == 1)
     if name in ("star", "root"):
         ring = offset.abs() == 1
         if name == "star" and args and args[0]:
@@ -214,9 +215,11 @@ def _term_mask(name: str, args: list, n: int, device) -> torch.Tensor:
         to_hub = torch.ones(n, 1, dtype=torch.bool, device=device)
         from_hub = torch.full((1, n + 1), name == "star", dtype=torch.bool, device=device)
         return torch.cat([torch.cat([tokens, to_hub], 1), from_hub], 0)
-    k = args[0]  # clusters: token i belongs to cluster floor(i k / n)
+    k = args[0]  # clusters: token i belongs to cluster floor(i k / n), or to any if dynamic
     member = torch.div(position * k, n, rounding_mode="floor")
     belongs = member[:, None] == torch.arange(k, device=device)[None, :]  # [n, k]
+    if len(args) > 1 and args[1]:
+        belongs = torch.ones_like(belongs)
     top = torch.cat([torch.zeros(n, n, dtype=torch.bool, device=device), belongs], 1)
     bottom = torch.cat([belongs.T, torch.ones(k, k, dtype=torch.bool, device=device)], 1)
     return torch.cat([top, bottom], 0)

@@ -14,6 +14,8 @@ TOPOLOGIES = [
     "clusters(2)",
     "segments(2)",
     "window(1) | star()",
+    "clusters(2, dynamic=True)",
+    "segments(2, causal=True)",
 ]
 
 

@@ -30,14 +30,14 @@ def star_rule(wrap):
     return rule
 
 
-def clusters_rule(k):
+def clusters_rule(k, dynamic=False):
     def rule(i, j, n):
         if i < n and j < n:
             return False
         if i >= n and j >= n:
             return True
         token, cluster = (i, j - n) if i < n else (j, i - n)
-        return token * k // n == cluster
+        return dynamic or token * k // n == cluster
 
     return rule
 
@@ -46,8 +46,12 @@ def root_rule(i, j, n):
     return i < n and j >= n
 
 
-def segments_rule(length):
-    return lambda i, j, n: i < n and j < n and i // length - j // length in (0, 1)
+def segments_rule(length, causal=False):
+    def rule(i, j, n):
+        gap = i // length - j // length
+        return i < n and j < n and (gap == 1 or (gap == 0 and (j < i or not causal)))
+
+    return rule
 
 
 CASES = [
@@ -62,6 +66,9 @@ CASES = [
     (topology.segments(2), segments_rule(2), 0),
     (topology.root(), root_rule, 1),
     (topology.segments(3), segments_rule(3), 0),
+    (topology.segments(3, causal=True), segments_rule(3, causal=True), 0),
+    (topology.clusters(3, dynamic=True), clusters_rule(3, dynamic=True), 3),
+    (topology.parse("segments(4, causal=True)"), segments_rule(4, causal=True), 0),
 ]
 
 
@@ -112,6 +119,17 @@ def test_parse_round_trips_names_and_arguments():
     both = topology.parse("window(2) | star(wrap=True)")
     assert torch.equal(both.mask(6), (topology.window(2) | topology.star(wrap=True)).mask(6))
     assert topology.parse(both) is both
+    for made in (topology.clusters(3, dynamic=True), topology.segments(4, causal=True), topology.segments(2)):
+        again = topology.parse(made.name)
+        assert again.name == made.name and torch.equal(again.mask(9), made.mask(9))
+        assert again.segment_length == made.segment_length
+
+
+def test_segments_record_their_length_and_unions_drop_it():
+    assert topology.segments(5).segment_length == 5
+    assert topology.segments(5, causal=True).segment_length == 5
+    assert topology.full().segment_length is None
+    assert (topology.segments(5) | topology.root()).segment_length is None
 
 
 @pytest.mark.parametrize(
@@ -123,6 +141,8 @@ def test_parse_round_trips_names_and_arguments():
         ("window(0)", "window width w must be an integer >= 1"),
         ("clusters(-1)", "number of clusters k"),
         ("segments(0)", "segment length l"),
+        ("segments(2, causal=1)", "causal=...\\) must be True or False"),
+        ("clusters(2, dynamic=3)", "dynamic=...\\) must be True or False"),
         ("window(2) |", "bad term"),
         ("", "non-empty string"),
     ],

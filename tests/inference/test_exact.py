@@ -24,10 +24,10 @@ def test_log_partition_and_marginals_equal_brute_force(data):
         expected_log_z, zm, hm, gm = oracles.brute_force(crf, tokens[b].tolist(), mask[b].tolist())
         assert log_z[b].item() == pytest.approx(expected_log_z, abs=1e-4)
         assert post.log_partition[b].item() == pytest.approx(expected_log_z, abs=1e-4)
-        torch.testing.assert_close(post.z[b].double(), zm, atol=1e-5, rtol=0)
-        torch.testing.assert_close(post.h[b].double(), hm, atol=1e-5, rtol=0)
+        torch.testing.assert_close(post.z[b].double(), zm, atol=1e-4, rtol=0)  # float32, as log Z
+        torch.testing.assert_close(post.h[b].double(), hm, atol=1e-4, rtol=0)
         if crf.global_labels:
-            torch.testing.assert_close(post.g[b].double(), gm, atol=1e-5, rtol=0)
+            torch.testing.assert_close(post.g[b].double(), gm, atol=1e-4, rtol=0)
     # marginals are distributions over existing variables, zero elsewhere
     nodes = crf.node_mask(mask)
     torch.testing.assert_close(post.z.sum(-1), nodes.float())

@@ -85,6 +85,8 @@ def test_converged_marginals_satisfy_the_update_equations(topology, schedule):
             "clusters(3)",
             "segments(3)",
             "window(1) | clusters(2)",
+            "window(1) | clusters(2, dynamic=True)",
+            "segments(3, causal=True)",
             "causal | star()",
         ]
     ),

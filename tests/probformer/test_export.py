@@ -70,7 +70,7 @@ def assert_reproduces(model, artefact):
 
 TERMS = st.sampled_from(
     ["full()", "causal()", "window(1)", "window(3)", "star()", "star(wrap=True)", "root()", "clusters(1)"]
-    + ["clusters(3)", "segments(2)", "segments(5)"]
+    + ["clusters(3)", "segments(2)", "segments(5)", "clusters(2, dynamic=True)", "segments(3, causal=True)"]
 )
 
 

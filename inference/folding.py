@@ -1,0 +1,152 @@
+"""Folded-context mean field: long inputs in memory bounded by one segment.
+
+On ``graphs.topology.segments(l)`` a token's head lies in its own segment or in the
+previous one, never in a later one. ``Folded`` runs the mean-field iterations segment by
+segment: while segment s is updated, segment s - 1 keeps its *final* label posteriors
+(fixed messages, the condensed memory) and later segments do not exist yet. This is
+assumed-density filtering: segment s never hears back from s + 1 (the reverse messages
+a full mean field would send), the way a Kalman filter never hears from the future.
+
+Two computations of the same quantity:
+
+``folded(tokens, mask)``
+    the reference, on whole ``[B, L]`` tensors: for each s, the engine's own iterations
+    over all L positions with segments ``<= s`` present and every other segment frozen.
+``folded.stream(chunks)``
+    a generator over token chunks of any size: it keeps one segment of posteriors
+    (``[B, l, d]``) and fewer than l pending tokens, and yields each segment's label
+    logits as soon as the segment is complete (the last, partial one at the end).
+
+Both equal each other (tests/inference/test_folding.py); only ``stream`` runs in
+constant memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Folded", "FoldState"]
+
+
+@dataclass
+class FoldState:
+    """All a stream keeps between chunks; no tensor here has an axis longer than l."""
+
+    memory_logits: torch.Tensor | None = None  # [B, l, d] final logits of the last complete segment
+    memory_mask: torch.Tensor | None = None  # [B, l]
+    pending_tokens: torch.Tensor | None = None  # [B, < l] not yet a complete segment
+    pending_mask: torch.Tensor | None = None
+    position: int = 0  # tokens already yielded
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+
+class Folded:
+    """Streaming (assumed-density) mean field for a ``MeanField`` whose CRF topology is
+    ``graphs.topology.segments(l)`` (optionally ``causal=True``)."""
+
+    def __init__(self, mean_field):
+        length = mean_field.crf.topology.segment_length
+        if length is None:
+            raise ValueError(
+                f"Folded needs a CRF on graphs.topology.segments(l), got topology {mean_field.crf.topology.name!r}"
+            )
+        if mean_field.schedule == "sequential" or mean_field.halting != "none":
+            raise ValueError(
+                "Folded runs the unrolled schedules ('async', 'parallel', 'macaron') without halting; got "
+                f"schedule={mean_field.schedule!r}, halting={mean_field.halting!r}"
+            )
+        self.mean_field, self.length = mean_field, length
+
+    # ---- the reference: whole tensors ----------------------------------------------------
+
+    def __call__(self, tokens, mask=None) -> torch.Tensor:
+        """``[B, L, d]`` label logits of every token (0 on padding), segment by segment."""
+        mf = self.mean_field
+        tokens, mask = mf.crf.check_inputs(tokens, mask)
+        unary = mf.crf.unary_table(tokens, mask)
+        segment = torch.arange(tokens.shape[1], device=tokens.device) // self.length
+        logits = unary
+        for s in range(int(segment[-1]) + 1):
+            present = mask & (segment <= s)
+            if not (present & (segment == s)).any():
+                continue  # every row is padding here
+            current = (segment == s).expand_as(mask)
+            logits = self._segment(tokens, present, unary, logits, current)
+        return logits * mask[..., None]
+
+    def _segment(self, tokens, present, unary, logits, current):
+        """The engine's iterations with only ``current`` nodes updated; others frozen."""
+        mf = self.mean_field
+        # a row with nothing present yet (a stream's first segment is empty in that row)
+        # still gets one node so the checks pass; it is frozen and alone, so inert
+        present = present | ~present.any(1, keepdim=True) & (torch.arange(present.shape[1], device=present.device) == 0)
+        tokens, present, structure = mf.structure(tokens, present)
+        kernel = mf.resolved_kernel(structure.nodes.shape[1], tokens.device)
+        initial = torch.where(current[..., None], unary, logits)
+        new = mf._unrolled(unary, present, structure, kernel, initial=initial, frozen=~current)[0]
+        return torch.where(current[..., None], new, logits)
+
+    # ---- streaming -----------------------------------------------------------------------
+
+    def stream(self, chunks: Iterable, state: FoldState | None = None) -> Iterator[torch.Tensor]:
+        """Yield ``[B, m, d]`` label logits per segment (m = l, the last may be shorter)
+        for ``chunks``: ``[B, k]`` token tensors or ``(tokens, mask)`` pairs of any k.
+        Pass a ``FoldState`` to inspect (or resume) what the stream keeps."""
+        state = FoldState() if state is None else state
+        for chunk in chunks:
+            tokens, mask = self._check_chunk(chunk, state)
+            if state.pending_tokens is not None:
+                tokens = torch.cat([state.pending_tokens, tokens], 1)
+                mask = torch.cat([state.pending_mask, mask], 1)
+            while tokens.shape[1] >= self.length:
+                yield self.push_segment(tokens[:, : self.length], mask[:, : self.length], state)
+                tokens, mask = tokens[:, self.length :], mask[:, self.length :]
+            state.pending_tokens, state.pending_mask = (tokens, mask) if tokens.shape[1] else (None, None)
+        if state.pending_tokens is not None:
+            tokens, mask = state.pending_tokens, state.pending_mask
+            state.pending_tokens = state.pending_mask = None
+            yield self.push_segment(tokens, mask, state)
+
+    def _check_chunk(self, chunk, state):
+        tokens, mask = chunk if isinstance(chunk, tuple) else (chunk, None)
+        if mask is not None and (
+            not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != tokens.shape
+        ):
+            raise ValueError(f"a chunk's mask must be a bool tensor shaped like its tokens {tuple(tokens.shape)}")
+        # ids are checked everywhere except under the mask (a row may be all padding here)
+        checked, _ = self.mean_field.crf.check_inputs(tokens if mask is None else tokens.masked_fill(~mask, 0))
+        mask = torch.ones_like(checked, dtype=torch.bool) if mask is None else mask
+        if state.pending_tokens is not None and checked.shape[0] != state.pending_tokens.shape[0]:
+            raise ValueError(f"every chunk needs batch size {state.pending_tokens.shape[0]}, got {checked.shape[0]}")
+        if state.memory_logits is not None and checked.shape[0] != state.memory_logits.shape[0]:
+            raise ValueError(f"every chunk needs batch size {state.memory_logits.shape[0]}, got {checked.shape[0]}")
+        return checked, mask
+
+    def push_segment(self, tokens, mask, state: FoldState) -> torch.Tensor:
+        """One segment (at most l tokens) against the memory in ``state``; updates it."""
+        mf = self.mean_field
+        B, m = tokens.shape
+        if m > self.length:
+            raise ValueError(f"a segment has at most l={self.length} tokens, got {m}")
+        d = mf.crf.labels
+        if state.memory_logits is None:  # the first segment: an absent memory
+            memory_logits = mf.crf.unary.new_zeros(B, self.length, d)
+            memory_mask = torch.zeros(B, self.length, dtype=torch.bool, device=tokens.device)
+        else:
+            memory_logits, memory_mask = state.memory_logits, state.memory_mask
+        window_tokens = torch.cat([torch.zeros_like(memory_mask, dtype=torch.long), tokens.long()], 1)
+        present = torch.cat([memory_mask, mask], 1)
+        current = torch.cat([torch.zeros_like(memory_mask), torch.ones_like(mask)], 1)
+        unary = mf.crf.unary_table(window_tokens.masked_fill(~present, 0), present)
+        logits = torch.cat([memory_logits, unary[:, self.length :]], 1)
+        out = self._segment(window_tokens, present, unary, logits, current)[:, self.length :]
+        out = out * mask[..., None]
+        if m == self.length:
+            state.memory_logits, state.memory_mask = out, mask
+        state.position += m
+        return out
