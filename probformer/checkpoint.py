@@ -17,6 +17,7 @@ from probformer.data import SubwordVocabulary, Vocabulary
 from probformer.particle_transformer import ParticleConfig, ParticleTransformer
 from probformer.probabilistic_transformer import ProbabilisticTransformer, PTConfig
 from probformer.runtime import check_state
+from probformer.swarmformer import SwarmConfig, SwarmFormer
 
 __all__ = ["save", "load", "MODELS", "FORMAT"]
 
@@ -25,6 +26,7 @@ MODELS = {
     "probabilistic_transformer": (PTConfig, ProbabilisticTransformer),
     "particle_transformer": (ParticleConfig, ParticleTransformer),
     "transformer": (TransformerConfig, Transformer),
+    "swarmformer": (SwarmConfig, SwarmFormer),
 }
 
 

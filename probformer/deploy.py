@@ -52,6 +52,8 @@ def _kind_and_config(model) -> tuple[str, dict]:
     kind = next((k for k, (_, cls) in MODELS.items() if isinstance(model, cls)), None)
     if kind is None:
         raise ValueError(f"cannot export a {type(model).__name__}; known models: {sorted(MODELS)}")
+    if kind not in runtime.RUNTIMES:
+        raise ValueError(f"a {kind} cannot be exported yet; the runtime has {sorted(runtime.RUNTIMES)}")
     if kind != "probabilistic_transformer":
         return kind, asdict(model.config)
     engine, crf = model.mean_field, model.crf

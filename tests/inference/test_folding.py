@@ -75,7 +75,9 @@ def test_one_segment_is_the_plain_mean_field():
     tokens = torch.randint(0, 9, (3, 8))
     with torch.no_grad():
         torch.testing.assert_close(inference.Folded(mean_field)(tokens), mean_field(tokens).logits)
-        torch.testing.assert_close(torch.cat(list(inference.Folded(mean_field).stream([tokens])), 1), mean_field(tokens).logits)
+        torch.testing.assert_close(
+            torch.cat(list(inference.Folded(mean_field).stream([tokens])), 1), mean_field(tokens).logits
+        )
 
 
 @pytest.mark.parametrize("causal", [False, True])

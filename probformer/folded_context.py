@@ -1,0 +1,201 @@
+"""Folded-context condensation: a causal language model with a long reach from a short
+window (the network view of ``graphs.topology.segments(l, causal=True)``).
+
+The input is cut into segments of ``segment`` (l) tokens. A *local* stack evolves each
+segment on its own (causal within the segment). A *global* stack then lets segment s
+attend, causally, to the evolved states of segment s - 1 (the condensed memory) together
+with its own: it runs over the ``2 l`` states ``[memory, segment]`` and its outputs for
+the segment become both the segment's representation and the next segment's memory.
+Information is folded forward one segment at a time, so the reach is unbounded while
+every attention sees at most ``2 l`` positions and the state carried is ``[B, l, width]``.
+
+``folded=False`` gives the plain windowed baseline with the very same parameters: every
+block attends causally to the previous ``segment`` tokens of the whole sequence (a
+sliding window, no memory), so its reach is ``layers * segment`` tokens.
+
+``model(tokens)`` computes the whole input at once (the local stack batched over
+segments); ``model.stream(chunks)`` yields the same logits segment by segment in
+constant memory (``FoldedStreamState`` is all it keeps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from probformer.config import ConfigMixin
+from probformer.runtime import Block, check_token_inputs
+
+__all__ = ["FoldedContextConfig", "FoldedContext", "FoldedStreamState"]
+
+
+@dataclass
+class FoldedContextConfig(ConfigMixin):
+    vocab_size: int
+    width: int = 128
+    heads: int = 4
+    local_layers: int = 2
+    global_layers: int = 2
+    ffn_width: int = 512
+    segment: int = 12  # l: the window every attention is limited to
+    dropout: float = 0.0
+    folded: bool = True  # False: the plain sliding-window baseline (same parameters)
+
+    def __post_init__(self):
+        self.check_integers(
+            {"vocab_size": 1, "width": 1, "heads": 1, "local_layers": 1, "global_layers": 1, "ffn_width": 1}
+        )
+        self.check_integers({"segment": 1})
+        if self.width % self.heads:
+            raise ValueError(f"config key 'width' ({self.width}) must be divisible by 'heads' ({self.heads})")
+        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(f"config key 'dropout' must lie in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.folded, bool):
+            raise ValueError(f"config key 'folded' must be true or false, got {self.folded!r}")
+
+
+@dataclass
+class FoldedStreamState:
+    """What a stream keeps between chunks: no tensor here has an axis longer than l."""
+
+    memory: torch.Tensor | None = None  # [B, l, width] global states of the last complete segment
+    memory_mask: torch.Tensor | None = None  # [B, l]
+    pending_tokens: torch.Tensor | None = None  # [B, < l]
+    pending_mask: torch.Tensor | None = None
+    position: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+
+class FoldedContext(nn.Module):
+    def __init__(self, config: FoldedContextConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.embedding = nn.Embedding(c.vocab_size, c.width)
+        self.position = nn.Embedding(c.segment, c.width)  # position within the segment
+        self.local_blocks = nn.ModuleList(
+            Block(c.width, c.heads, c.ffn_width, c.dropout) for _ in range(c.local_layers)
+        )
+        self.global_blocks = nn.ModuleList(
+            Block(c.width, c.heads, c.ffn_width, c.dropout) for _ in range(c.global_layers)
+        )
+        self.final_norm = nn.LayerNorm(c.width)
+        self.decoder = nn.Linear(c.width, c.vocab_size)
+
+    def _bias(self, mask):
+        return torch.zeros(mask.shape, dtype=self.decoder.weight.dtype, device=mask.device).masked_fill(
+            ~mask, float("-inf")
+        )
+
+    def _embed(self, tokens, start: int = 0):
+        l = self.config.segment
+        position = (torch.arange(tokens.shape[1], device=tokens.device) + start) % l
+        x = self.embedding(tokens) + self.position(position)
+        return F.dropout(x, self.config.dropout, self.training)
+
+    def _local(self, x, mask):
+        """The local stack on segments ``[B', l', width]`` (causal within each)."""
+        bias = self._bias(mask)
+        for block in self.local_blocks:
+            x = block(x, bias, window=(x.shape[1] - 1, 0))[0]
+        return x
+
+    def _fold(self, states, mask, memory, memory_mask):
+        """The global stack on ``[memory, segment]``: the segment's outputs, which are
+        also the next memory."""
+        m = states.shape[1]
+        x = torch.cat([memory, states], 1)
+        bias = self._bias(torch.cat([memory_mask, mask], 1))
+        for block in self.global_blocks:
+            x = block(x, bias, window=(x.shape[1] - 1, 0))[0]
+        return x[:, -m:]
+
+    def _empty_memory(self, states):
+        B, _, width = states.shape
+        l = self.config.segment
+        return states.new_zeros(B, l, width), torch.zeros(B, l, dtype=torch.bool, device=states.device)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
+        """Next-token logits ``[B, L, vocab]`` (position i predicts token i + 1) and the
+        final hidden states ``[B, L, width]``. Padding must come at the end of a row."""
+        tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size)
+        if not self.config.folded:
+            return self._windowed(tokens, mask)
+        B, L = tokens.shape
+        l = self.config.segment
+        segments = -(-L // l)
+        pad = segments * l - L
+        x = self._embed(F.pad(tokens, (0, pad)))
+        padded_mask = F.pad(mask, (0, pad), value=False)
+        # the local stack sees each segment alone: all segments in one batch
+        local = self._local(x.view(B * segments, l, -1), padded_mask.view(B * segments, l)).view(B, segments, l, -1)
+        memory, memory_mask = self._empty_memory(x)
+        outputs = []
+        for s in range(segments):
+            segment_mask = padded_mask[:, s * l : (s + 1) * l]
+            memory = self._fold(local[:, s], segment_mask, memory, memory_mask)
+            memory_mask = segment_mask
+            outputs.append(memory)
+        hidden = self.final_norm(torch.cat(outputs, 1)[:, :L])
+        return self.decoder(hidden), hidden
+
+    def _windowed(self, tokens, mask):
+        x, bias = self._embed(tokens), self._bias(mask)
+        for block in [*self.local_blocks, *self.global_blocks]:
+            x = block(x, bias, window=(self.config.segment - 1, 0))[0]
+        hidden = self.final_norm(x)
+        return self.decoder(hidden), hidden
+
+    # ---- streaming -------------------------------------------------------------------
+
+    def stream(self, chunks: Iterable, state: FoldedStreamState | None = None) -> Iterator[torch.Tensor]:
+        """Yield next-token logits ``[B, m, vocab]`` per segment (m = l; the last may be
+        shorter) for ``chunks``: ``[B, k]`` token tensors or ``(tokens, mask)`` pairs of
+        any k. Equal to ``self(all tokens)[0]`` cut into segments."""
+        if not self.config.folded:
+            raise ValueError("stream needs the folded model (config key 'folded' = true)")
+        state = FoldedStreamState() if state is None else state
+        l = self.config.segment
+        for chunk in chunks:
+            tokens, mask = chunk if isinstance(chunk, tuple) else (chunk, None)
+            # ids checked everywhere except under the mask (a row may be all padding here)
+            checked, _ = check_token_inputs(
+                tokens if mask is None else tokens.masked_fill(~mask, 0), None, self.config.vocab_size
+            )
+            mask = torch.ones_like(checked, dtype=torch.bool) if mask is None else mask
+            if mask.shape != checked.shape or mask.dtype != torch.bool:
+                raise ValueError(f"a chunk's mask must be a bool tensor shaped like its tokens {tuple(checked.shape)}")
+            if state.pending_tokens is not None:
+                if checked.shape[0] != state.pending_tokens.shape[0]:
+                    raise ValueError(f"every chunk needs batch size {state.pending_tokens.shape[0]}")
+                checked = torch.cat([state.pending_tokens, checked], 1)
+                mask = torch.cat([state.pending_mask, mask], 1)
+            while checked.shape[1] >= l:
+                yield self.push_segment(checked[:, :l], mask[:, :l], state)
+                checked, mask = checked[:, l:], mask[:, l:]
+            state.pending_tokens, state.pending_mask = (checked, mask) if checked.shape[1] else (None, None)
+        if state.pending_tokens is not None:
+            tokens, mask = state.pending_tokens, state.pending_mask
+            state.pending_tokens = state.pending_mask = None
+            yield self.push_segment(tokens, mask, state)
+
+    def push_segment(self, tokens, mask, state: FoldedStreamState) -> torch.Tensor:
+        """One segment (at most l tokens) against the memory in ``state``; updates it."""
+        l = self.config.segment
+        if tokens.shape[1] > l:
+            raise ValueError(f"a segment has at most segment={l} tokens, got {tokens.shape[1]}")
+        if state.memory is not None and tokens.shape[0] != state.memory.shape[0]:
+            raise ValueError(f"every chunk needs batch size {state.memory.shape[0]}, got {tokens.shape[0]}")
+        local = self._local(self._embed(tokens), mask)
+        memory, memory_mask = self._empty_memory(local) if state.memory is None else (state.memory, state.memory_mask)
+        out = self._fold(local, mask, memory, memory_mask)
+        if tokens.shape[1] == l:
+            state.memory, state.memory_mask = out, mask
+        state.position += tokens.shape[1]
+        return self.decoder(self.final_norm(out))
