@@ -87,11 +87,26 @@ def accuracy(model, distances=DISTANCES) -> dict[int, float]:
     return found
 
 
-def stream_memory(length: int) -> dict:
-    """Run in a fresh process: stream ``length`` tokens in chunks of 100."""
+def stream_memory(length: int, view: str = "network") -> dict:
+    """Run in a fresh process: stream ``length`` tokens in chunks of 100 through the
+    folded network ("network") or the folded mean field of a CRF on segments(12) ("crf")."""
     torch.set_num_threads(1)
-    model = build(True).eval()
-    state = FoldedStreamState()
+    if view == "network":
+        model, state = build(True).eval(), FoldedStreamState()
+    else:
+        import graphs
+        import inference
+
+        torch.manual_seed(0)
+        crf = graphs.CRF(
+            TASK.vocab_size,
+            labels=32,
+            channels=2,
+            rank=8,
+            global_labels=32,
+            topology=graphs.topology.segments(MODEL["segment"], causal=True),
+        )
+        model, state = inference.Folded(inference.MeanField(crf, iterations=3)), inference.FoldState()
     generator = torch.Generator().manual_seed(0)
     started, seen = time.perf_counter(), 0
     with torch.no_grad():
@@ -104,6 +119,7 @@ def stream_memory(length: int) -> dict:
             state_bytes = sum(t.numel() * t.element_size() for t in state.tensors().values())
             largest = max(max(t.shape) for t in state.tensors().values())
     return {
+        "view": view,
         "tokens": seen,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "state_bytes": state_bytes,
@@ -119,11 +135,17 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--reuse", action="store_true", help="evaluate the saved models, no training")
     parser.add_argument("--models", default="folded,windowed")
+    parser.add_argument("--stream-only", action="store_true", help="only the streaming memory of both views")
     parser.add_argument("--stream-length", type=int, default=0, help=argparse.SUPPRESS)  # the subprocess
+    parser.add_argument("--stream-view", default="network", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.stream_length:
-        print(json.dumps(stream_memory(args.stream_length)))
+        print(json.dumps(stream_memory(args.stream_length, args.stream_view)))
+        return
+    if args.stream_only:
+        measure_streams(("network", "crf"))
+        plot(json.loads(OUT.read_text()))
         return
     results = json.loads(OUT.read_text()) if OUT.is_file() else {}
     for name in args.models.split(","):
@@ -149,17 +171,21 @@ def main() -> None:
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(results, indent=1))
     if "folded" in args.models.split(","):
-        memory = []
+        measure_streams(("network",))
+    plot(json.loads(OUT.read_text()))
+
+
+def measure_streams(views) -> None:
+    memory = []
+    for view in views:
         for length in (1_000, 10_000, 100_000):
-            run = subprocess.run(
-                [sys.executable, __file__, "--stream-length", str(length)], capture_output=True, text=True, check=True
-            )
+            command = [sys.executable, __file__, "--stream-length", str(length), "--stream-view", view]
+            run = subprocess.run(command, capture_output=True, text=True, check=True)
             memory.append(json.loads(run.stdout.strip().splitlines()[-1]))
             print(memory[-1], flush=True)
-        results = json.loads(OUT.read_text())
-        results["stream_memory"] = memory
-        OUT.write_text(json.dumps(results, indent=1))
-    plot(json.loads(OUT.read_text()))
+    results = json.loads(OUT.read_text()) if OUT.is_file() else {}
+    results["stream_memory"] = memory
+    OUT.write_text(json.dumps(results, indent=1))
 
 
 def plot(results: dict) -> None:

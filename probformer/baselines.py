@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from probformer.config import ConfigMixin
-from probformer.runtime import NORMS, POOLINGS, TASKS, Block, TaskHead, check_token_inputs
+from probformer.runtime import NORMS, Block, TaskHead, check_token_inputs
 
 __all__ = ["TransformerConfig", "Transformer", "equal_size", "parameter_count"]
 
@@ -43,16 +43,9 @@ class TransformerConfig(ConfigMixin):
             raise ValueError(f"config key 'width' ({self.width}) must be divisible by 'heads' ({self.heads})")
         if self.norm not in NORMS:
             raise ValueError(f"config key 'norm' must be one of {list(NORMS)}, got {self.norm!r}")
-        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
-            raise ValueError(f"config key 'dropout' must lie in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.universal, bool):
-            raise ValueError(f"config key 'universal' must be true or false, got {self.universal!r}")
-        if self.task not in TASKS:
-            raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
-        if self.pooling not in POOLINGS or self.pooling == "root":
-            raise ValueError(f"config key 'pooling' must be 'mean' for a transformer, got {self.pooling!r}")
-        if self.task != "mlm" and self.num_classes < 1:
-            raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+        self.check_dropout()
+        self.check_flags("universal")
+        self.check_task("transformer")
 
 
 class Transformer(nn.Module):

@@ -18,6 +18,27 @@ class ConfigMixin:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
 
+    def check_flags(self, *names: str) -> None:
+        for name in names:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
+
+    def check_dropout(self) -> None:
+        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(f"config key 'dropout' must lie in [0, 1), got {self.dropout!r}")
+
+    def check_task(self, model: str) -> None:
+        """``task``, ``pooling`` (mean only: no ROOT node) and ``num_classes`` of a
+        network with a ``TaskHead``."""
+        from probformer.runtime import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
+        if self.pooling != "mean":
+            raise ValueError(f"config key 'pooling' must be 'mean' for a {model}, got {self.pooling!r}")
+        if self.task != "mlm" and self.num_classes < 1:
+            raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+
     @classmethod
     def from_dict(cls, values: dict, section: str = ""):
         """Build from a plain dict (JSON, TOML); ``section`` prefixes key names in errors."""

@@ -52,10 +52,8 @@ class FoldedContextConfig(ConfigMixin):
         self.check_integers({"segment": 1})
         if self.width % self.heads:
             raise ValueError(f"config key 'width' ({self.width}) must be divisible by 'heads' ({self.heads})")
-        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
-            raise ValueError(f"config key 'dropout' must lie in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.folded, bool):
-            raise ValueError(f"config key 'folded' must be true or false, got {self.folded!r}")
+        self.check_dropout()
+        self.check_flags("folded")
 
 
 @dataclass

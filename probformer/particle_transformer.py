@@ -30,8 +30,6 @@ from torch import nn
 
 from probformer.config import ConfigMixin
 from probformer.runtime import (
-    POOLINGS,
-    TASKS,
     Block,
     TaskHead,
     check_token_inputs,
@@ -83,10 +81,7 @@ class ParticleConfig(ConfigMixin):
             raise ValueError(f"config key 'resampling' must be one of {list(RESAMPLING)}, got {self.resampling!r}")
         if not self.temperature > 0 or self.jitter < 0 or not 0 <= self.dropout < 1:
             raise ValueError("config keys 'temperature' > 0, 'jitter' >= 0, 'dropout' in [0, 1) are required")
-        if self.task not in TASKS or self.pooling not in POOLINGS or self.pooling == "root":
-            raise ValueError(f"config key 'task' must be one of {list(TASKS)} and 'pooling' 'mean'")
-        if self.task != "mlm" and self.num_classes < 1:
-            raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+        self.check_task("Particle Transformer")
 
 
 class ParticleTransformer(nn.Module):

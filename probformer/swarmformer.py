@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from probformer.config import ConfigMixin
-from probformer.runtime import POOLINGS, TASKS, Block, TaskHead, check_token_inputs
+from probformer.runtime import Block, TaskHead, check_token_inputs
 
 __all__ = ["SwarmConfig", "SwarmFormer", "SwarmLayer", "ROUTINGS"]
 
@@ -77,16 +77,9 @@ class SwarmConfig(ConfigMixin):
             raise ValueError(f"config key 'top_p' must lie in (0, 1], got {self.top_p!r}")
         if not isinstance(self.temperature, int | float) or self.temperature <= 0:
             raise ValueError(f"config key 'temperature' must be > 0, got {self.temperature!r}")
-        if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
-            raise ValueError(f"config key 'dropout' must lie in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.pyramid, bool):
-            raise ValueError(f"config key 'pyramid' must be true or false, got {self.pyramid!r}")
-        if self.task not in TASKS:
-            raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
-        if self.pooling not in POOLINGS or self.pooling == "root":
-            raise ValueError(f"config key 'pooling' must be 'mean' for a SwarmFormer, got {self.pooling!r}")
-        if self.task != "mlm" and self.num_classes < 1:
-            raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+        self.check_dropout()
+        self.check_flags("pyramid")
+        self.check_task("SwarmFormer")
 
     def cluster_counts(self) -> list[int]:
         """Clusters per layer: C, then C/2, then C/4 over thirds of the stack (at least 1)."""
