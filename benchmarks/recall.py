@@ -7,8 +7,9 @@ sliding-window model with the same parameters, both with a 12-token window.
 Training: one key per sequence, distances from a curriculum (1..12 for the first quarter
 of the steps, then a maximum that grows to --max-distance), AdamW, one torch thread.
 Evaluation: accuracy of the key prediction on 256 fresh sequences per distance (chance
-1/8). Streaming memory: the folded model streams L = 10^3 .. 10^5 tokens in a fresh
-process each; peak resident memory and the bytes of the stream state are recorded.
+1/8). Streaming memory: the folded network and the folded mean field (a CRF on segments(12))
+stream L = 10^3 .. 10^5 tokens in a fresh process each; peak resident memory (VmHWM)
+and the bytes of the stream state are recorded (`--stream-only` measures just that).
 Results: docs/benchmarks/recall.json and docs/benchmarks/recall.png.
 """
 
@@ -87,10 +88,31 @@ def accuracy(model, distances=DISTANCES) -> dict[int, float]:
     return found
 
 
+def peak_resident_mb() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss it does not carry
+    the parent's peak across fork + exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux
+
+
 def stream_memory(length: int, view: str = "network") -> dict:
     """Run in a fresh process: stream ``length`` tokens in chunks of 100 through the
     folded network ("network") or the folded mean field of a CRF on segments(12) ("crf")."""
     torch.set_num_threads(1)
+    if view == "network-whole":  # the same network on the whole input at once, for contrast
+        model = build(True).eval()
+        tokens = torch.randint(0, TASK.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        started = time.perf_counter()
+        with torch.no_grad():
+            model(tokens)
+        return {
+            "view": view,
+            "tokens": length,
+            "peak_rss_mb": peak_resident_mb(),
+            "tokens_per_second": length / (time.perf_counter() - started),
+        }
     if view == "network":
         model, state = build(True).eval(), FoldedStreamState()
     else:
@@ -121,7 +143,7 @@ def stream_memory(length: int, view: str = "network") -> dict:
     return {
         "view": view,
         "tokens": seen,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_resident_mb(),
         "state_bytes": state_bytes,
         "largest_state_axis": largest,
         "tokens_per_second": seen / (time.perf_counter() - started),
@@ -144,7 +166,7 @@ def main() -> None:
         print(json.dumps(stream_memory(args.stream_length, args.stream_view)))
         return
     if args.stream_only:
-        measure_streams(("network", "crf"))
+        measure_streams(("network", "network-whole", "crf"))
         plot(json.loads(OUT.read_text()))
         return
     results = json.loads(OUT.read_text()) if OUT.is_file() else {}
