@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from probformer.baselines import Transformer, TransformerConfig
 from probformer.data import SubwordVocabulary, Vocabulary
+from probformer.folded_context import FoldedContext, FoldedContextConfig
 from probformer.particle_transformer import ParticleConfig, ParticleTransformer
 from probformer.probabilistic_transformer import ProbabilisticTransformer, PTConfig
 from probformer.runtime import check_state
@@ -27,6 +28,7 @@ MODELS = {
     "particle_transformer": (ParticleConfig, ParticleTransformer),
     "transformer": (TransformerConfig, Transformer),
     "swarmformer": (SwarmConfig, SwarmFormer),
+    "folded_context": (FoldedContextConfig, FoldedContext),
 }
 
 

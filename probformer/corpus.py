@@ -120,4 +120,8 @@ def collate(examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def inputs_and_targets(task, tokens, mask, labels, vocab_size, rate, generator):
     if task == "pos":
         return tokens, labels
+    if task == "lm":  # position i predicts token i + 1 (a causal model)
+        targets = torch.full_like(tokens, IGNORE)
+        targets[:, :-1] = tokens[:, 1:].masked_fill(~mask[:, 1:], IGNORE)
+        return tokens, targets
     return data.mask_tokens(tokens, mask, vocab_size, rate=rate, generator=generator)

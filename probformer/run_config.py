@@ -19,14 +19,15 @@ from probformer.config import ConfigMixin
 __all__ = ["DataConfig", "TrainConfig", "RunConfig", "load", "SOURCES", "TASKS", "SCHEDULES"]
 
 SOURCES = ("ptb", "ewt")  # or a path to a text file / folder
-TASKS = ("mlm", "pos")
+TASKS = ("mlm", "pos", "lm")
+CAUSAL_MODELS = ("folded_context",)  # the models that may learn next-token prediction
 SCHEDULES = ("linear", "cosine", "constant")
 
 
 @dataclass
 class DataConfig(ConfigMixin):
     source: str = "ptb"  # "ptb", "ewt", or a text file / folder of *.txt
-    task: str = "mlm"  # "mlm", or "pos" (UPOS tagging; source "ewt")
+    task: str = "mlm"  # "mlm", "pos" (UPOS tagging; source "ewt") or "lm" (next token; causal models)
     max_length: int = 128  # longer sentences are an error, reported before training
     vocabulary: int = 10_000  # word vocabulary cap (ptb/ewt), subword vocabulary size (text)
     train_sentences: int = 0  # use the first N training sentences (0: all)
@@ -119,6 +120,13 @@ class RunConfig:
             data=DataConfig.from_dict(values.get("data", {}), "data"),
             train=TrainConfig.from_dict(values.get("train", {}), "train"),
         )
+        causal = model["kind"] in CAUSAL_MODELS
+        if causal != (config.data.task == "lm"):
+            raise ValueError(
+                f"config key 'data.task'='lm' (next-token prediction) needs a causal model, one of "
+                f"{list(CAUSAL_MODELS)}, and those models learn only 'lm'; got model.kind={model['kind']!r} "
+                f"with data.task={config.data.task!r}"
+            )
         config.model_config(vocab_size=8, num_classes=2)  # validate the model keys now
         return config
 

@@ -282,3 +282,30 @@ def test_other_model_kinds_train(tmp_path, name):
     assert summary["steps"] == 2 and math.isfinite(summary["valid"]["loss"])
     metrics = evaluate(tmp_path / "run", "mlm", sentences=8)
     assert math.isfinite(metrics["perplexity"])
+
+
+@pytest.mark.parametrize("name", ["swarm-gumbel", "folded-lm"])
+def test_swarmformer_and_folded_context_train(tmp_path, name):
+    text = (Path("configs/variants") / f"{name}.toml").read_text()
+    text = text.replace("epochs = 1", "steps = 2").replace("train_sentences = 8000", "train_sentences = 64")
+    (tmp_path / "c.toml").write_text(text.replace("valid_sentences = 500", "valid_sentences = 8"))
+    summary = train(tmp_path / "c.toml", tmp_path / "run", progress=False)
+    assert summary["steps"] == 2 and math.isfinite(summary["valid"]["perplexity"])
+    model, _ = checkpoint.load(tmp_path / "run" / "model")
+    assert type(model).__name__ == {"swarm-gumbel": "SwarmFormer", "folded-lm": "FoldedContext"}[name]
+
+
+def test_lm_targets_are_the_next_real_token():
+    from probformer.corpus import IGNORE, inputs_and_targets
+
+    tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
+    mask = tokens != 0
+    inputs, targets = inputs_and_targets("lm", tokens, mask, None, 20, 0.15, None)
+    assert torch.equal(inputs, tokens)
+    assert targets.tolist() == [[6, 7, 8, IGNORE], [10, IGNORE, IGNORE, IGNORE]]
+
+
+@pytest.mark.parametrize("kind,task", [("folded_context", "mlm"), ("transformer", "lm"), ("swarmformer", "lm")])
+def test_next_token_prediction_needs_a_causal_model(kind, task):
+    with pytest.raises(ValueError, match="causal model"):
+        run_config.RunConfig.from_dict({"model": {"kind": kind}, "data": {"task": task}, "train": {}})
