@@ -28,7 +28,38 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Folded", "FoldState"]
+__all__ = ["Folded", "FoldState", "segment_stream"]
+
+
+def segment_stream(chunks: Iterable, length: int, state, check_ids) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(tokens, mask)`` per segment of ``length`` tokens from ``chunks`` of any size
+    (``[B, k]`` tensors or ``(tokens, mask)`` pairs); the last, partial segment comes at
+    the end. Fewer than ``length`` tokens wait in ``state.pending_tokens`` /
+    ``state.pending_mask``. ``check_ids(tokens)`` validates the ids of a chunk (padding
+    already set to 0: a row may be all padding in one chunk) and returns them."""
+    for chunk in chunks:
+        tokens, mask = chunk if isinstance(chunk, tuple) else (chunk, None)
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError(f"a chunk must be a token tensor or a (tokens, mask) pair, got {type(tokens).__name__}")
+        if mask is not None and (
+            not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != tokens.shape
+        ):
+            raise ValueError(f"a chunk's mask must be a bool tensor shaped like its tokens {tuple(tokens.shape)}")
+        tokens = check_ids(tokens if mask is None else tokens.masked_fill(~mask, 0))
+        mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
+        if state.pending_tokens is not None:
+            if tokens.shape[0] != state.pending_tokens.shape[0]:
+                raise ValueError(f"every chunk needs batch size {state.pending_tokens.shape[0]}, got {tokens.shape[0]}")
+            tokens = torch.cat([state.pending_tokens, tokens], 1)
+            mask = torch.cat([state.pending_mask, mask], 1)
+        while tokens.shape[1] >= length:
+            yield tokens[:, :length], mask[:, :length]
+            tokens, mask = tokens[:, length:], mask[:, length:]
+        state.pending_tokens, state.pending_mask = (tokens, mask) if tokens.shape[1] else (None, None)
+    if state.pending_tokens is not None:
+        tokens, mask = state.pending_tokens, state.pending_mask
+        state.pending_tokens = state.pending_mask = None
+        yield tokens, mask
 
 
 @dataclass
@@ -98,34 +129,9 @@ class Folded:
         for ``chunks``: ``[B, k]`` token tensors or ``(tokens, mask)`` pairs of any k.
         Pass a ``FoldState`` to inspect (or resume) what the stream keeps."""
         state = FoldState() if state is None else state
-        for chunk in chunks:
-            tokens, mask = self._check_chunk(chunk, state)
-            if state.pending_tokens is not None:
-                tokens = torch.cat([state.pending_tokens, tokens], 1)
-                mask = torch.cat([state.pending_mask, mask], 1)
-            while tokens.shape[1] >= self.length:
-                yield self.push_segment(tokens[:, : self.length], mask[:, : self.length], state)
-                tokens, mask = tokens[:, self.length :], mask[:, self.length :]
-            state.pending_tokens, state.pending_mask = (tokens, mask) if tokens.shape[1] else (None, None)
-        if state.pending_tokens is not None:
-            tokens, mask = state.pending_tokens, state.pending_mask
-            state.pending_tokens = state.pending_mask = None
+        check_ids = self.mean_field.crf.check_inputs
+        for tokens, mask in segment_stream(chunks, self.length, state, lambda ids: check_ids(ids)[0]):
             yield self.push_segment(tokens, mask, state)
-
-    def _check_chunk(self, chunk, state):
-        tokens, mask = chunk if isinstance(chunk, tuple) else (chunk, None)
-        if mask is not None and (
-            not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != tokens.shape
-        ):
-            raise ValueError(f"a chunk's mask must be a bool tensor shaped like its tokens {tuple(tokens.shape)}")
-        # ids are checked everywhere except under the mask (a row may be all padding here)
-        checked, _ = self.mean_field.crf.check_inputs(tokens if mask is None else tokens.masked_fill(~mask, 0))
-        mask = torch.ones_like(checked, dtype=torch.bool) if mask is None else mask
-        if state.pending_tokens is not None and checked.shape[0] != state.pending_tokens.shape[0]:
-            raise ValueError(f"every chunk needs batch size {state.pending_tokens.shape[0]}, got {checked.shape[0]}")
-        if state.memory_logits is not None and checked.shape[0] != state.memory_logits.shape[0]:
-            raise ValueError(f"every chunk needs batch size {state.memory_logits.shape[0]}, got {checked.shape[0]}")
-        return checked, mask
 
     def push_segment(self, tokens, mask, state: FoldState) -> torch.Tensor:
         """One segment (at most l tokens) against the memory in ``state``; updates it."""
@@ -133,6 +139,8 @@ class Folded:
         B, m = tokens.shape
         if m > self.length:
             raise ValueError(f"a segment has at most l={self.length} tokens, got {m}")
+        if state.memory_logits is not None and B != state.memory_logits.shape[0]:
+            raise ValueError(f"every chunk needs batch size {state.memory_logits.shape[0]}, got {B}")
         d = mf.crf.labels
         if state.memory_logits is None:  # the first segment: an absent memory
             memory_logits = mf.crf.unary.new_zeros(B, self.length, d)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.folding import segment_stream
 from probformer.config import ConfigMixin
 from probformer.runtime import Block, check_token_inputs
 
@@ -159,28 +160,11 @@ class FoldedContext(nn.Module):
         if not self.config.folded:
             raise ValueError("stream needs the folded model (config key 'folded' = true)")
         state = FoldedStreamState() if state is None else state
-        l = self.config.segment
-        for chunk in chunks:
-            tokens, mask = chunk if isinstance(chunk, tuple) else (chunk, None)
-            # ids checked everywhere except under the mask (a row may be all padding here)
-            checked, _ = check_token_inputs(
-                tokens if mask is None else tokens.masked_fill(~mask, 0), None, self.config.vocab_size
-            )
-            mask = torch.ones_like(checked, dtype=torch.bool) if mask is None else mask
-            if mask.shape != checked.shape or mask.dtype != torch.bool:
-                raise ValueError(f"a chunk's mask must be a bool tensor shaped like its tokens {tuple(checked.shape)}")
-            if state.pending_tokens is not None:
-                if checked.shape[0] != state.pending_tokens.shape[0]:
-                    raise ValueError(f"every chunk needs batch size {state.pending_tokens.shape[0]}")
-                checked = torch.cat([state.pending_tokens, checked], 1)
-                mask = torch.cat([state.pending_mask, mask], 1)
-            while checked.shape[1] >= l:
-                yield self.push_segment(checked[:, :l], mask[:, :l], state)
-                checked, mask = checked[:, l:], mask[:, l:]
-            state.pending_tokens, state.pending_mask = (checked, mask) if checked.shape[1] else (None, None)
-        if state.pending_tokens is not None:
-            tokens, mask = state.pending_tokens, state.pending_mask
-            state.pending_tokens = state.pending_mask = None
+        vocab_size = self.config.vocab_size
+        segments = segment_stream(
+            chunks, self.config.segment, state, lambda ids: check_token_inputs(ids, None, vocab_size)[0]
+        )
+        for tokens, mask in segments:
             yield self.push_segment(tokens, mask, state)
 
     def push_segment(self, tokens, mask, state: FoldedStreamState) -> torch.Tensor:
