@@ -23,8 +23,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
-from probformer import deploy, run_config  # noqa: E402
-from probformer.checkpoint import MODELS  # noqa: E402
+from probformer.deploy import exporter as deploy  # noqa: E402
+from probformer.training import run_config
+from probformer.training.checkpoint import MODELS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 10_000

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from probformer import mup, run_config
-from probformer.train import train
+from probformer import mup
+from probformer.training import run_config
+from probformer.training.trainer import train
 
 
 def sweep(base: run_config.RunConfig, widths, lrs, use_mup: bool, scratch: Path) -> dict:

@@ -18,7 +18,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch  # noqa: E402
 
-from probformer.particle_transformer import ParticleConfig, ParticleTransformer  # noqa: E402
+from probformer.models.particle_transformer import ParticleConfig, ParticleTransformer  # noqa: E402
 
 
 def best_of(fn, rounds=5):

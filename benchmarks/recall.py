@@ -1,4 +1,4 @@
-"""Long-range recall (probformer.recall): the folded-context model against the plain
+"""Long-range recall (probformer.training.recall): the folded-context model against the plain
 sliding-window model with the same parameters, both with a 12-token window.
 
     .venv/bin/python benchmarks/recall.py                 # train both, evaluate, stream memory
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from probformer.corpus import IGNORE
-from probformer.folded_context import FoldedContext, FoldedContextConfig, FoldedStreamState
-from probformer.recall import RecallTask
+from probformer.models.folded_context import FoldedContext, FoldedContextConfig, FoldedStreamState
+from probformer.training.corpus import IGNORE
+from probformer.training.recall import RecallTask
 
 TASK = RecallTask(keys=8, fillers=16, offset=12)
 MODEL = dict(width=64, heads=4, local_layers=2, global_layers=2, ffn_width=256, segment=12)

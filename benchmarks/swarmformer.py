@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from probformer.baselines import Transformer, TransformerConfig
-from probformer.swarmformer import SwarmConfig, SwarmFormer
+from probformer.models.baselines import Transformer, TransformerConfig
+from probformer.models.swarmformer import SwarmConfig, SwarmFormer
 
 LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 OUT = Path("docs/benchmarks/swarmformer.json")

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import torch
 
-from probformer import diagnostics, run_config
-from probformer.corpus import collate, prepare_corpus
-from probformer.train import train
+from probformer import diagnostics
+from probformer.training import run_config
+from probformer.training.corpus import collate, prepare_corpus
+from probformer.training.trainer import train
 
 
 @torch.no_grad()
 def layer_diversity(run: Path, config: run_config.RunConfig, sentences: int = 64) -> list[dict]:
-    from probformer.evaluate import load_any
+    from probformer.training.evaluate import load_any
 
     model, vocabulary = load_any(run)
     model.eval()
@@ -67,7 +68,7 @@ def main() -> None:
         if args.diversity:
             row["diversity"] = layer_diversity(run, config)
         if args.uas and config.kind == "probabilistic_transformer":
-            from probformer.evaluate import evaluate
+            from probformer.training.evaluate import evaluate
 
             row["uas"] = evaluate(run, "uas", "ewt")
         results[name] = row

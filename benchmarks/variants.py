@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from probformer import run_config
-from probformer.corpus import IGNORE, collate, inputs_and_targets, prepare_corpus
-from probformer.evaluate import load_any
-from probformer.train import train
+from probformer.training import run_config
+from probformer.training.corpus import IGNORE, collate, inputs_and_targets, prepare_corpus
+from probformer.training.evaluate import load_any
+from probformer.training.trainer import train
 
 CONFIGS = Path("configs/variants")
 EXIT_THRESHOLDS = (1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02)

@@ -13,16 +13,16 @@ import importlib
 __version__ = "0.1.0"
 
 _HOMES = {
-    "PTConfig": "probformer.probabilistic_transformer",
-    "ProbabilisticTransformer": "probformer.probabilistic_transformer",
-    "ParticleConfig": "probformer.particle_transformer",
-    "ParticleTransformer": "probformer.particle_transformer",
-    "SwarmConfig": "probformer.swarmformer",
-    "SwarmFormer": "probformer.swarmformer",
-    "FoldedContextConfig": "probformer.folded_context",
-    "FoldedContext": "probformer.folded_context",
-    "RecallTask": "probformer.recall",
-    "TaskHead": "probformer.runtime",
+    "PTConfig": "probformer.models.probabilistic_transformer",
+    "ProbabilisticTransformer": "probformer.models.probabilistic_transformer",
+    "ParticleConfig": "probformer.models.particle_transformer",
+    "ParticleTransformer": "probformer.models.particle_transformer",
+    "SwarmConfig": "probformer.models.swarmformer",
+    "SwarmFormer": "probformer.models.swarmformer",
+    "FoldedContextConfig": "probformer.models.folded_context",
+    "FoldedContext": "probformer.models.folded_context",
+    "RecallTask": "probformer.training.recall",
+    "TaskHead": "probformer.models.blocks",
     "export": "probformer.deploy",
     "load": "probformer.deploy",
 }

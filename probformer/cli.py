@@ -44,20 +44,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from pathlib import Path
 
-        from probformer.train import train as run_training
+        from probformer.training.trainer import train as run_training
 
         out = args.out or str(Path("runs") / Path(args.config).stem)
         run_training(args.config, out, resume=args.resume)
         return 0
     if args.command == "evaluate":
-        from probformer import evaluate as evaluation
+        from probformer.training import evaluate as evaluation
 
         metrics = evaluation.evaluate(args.checkpoint, args.task, args.data, args.split, args.sentences)
         print(f"{args.task} on {args.data or ('ptb' if args.task == 'mlm' else 'ewt')} ({args.split}):")
         evaluation.print_table(args.task, metrics)
         return 0
     if args.command == "demo":
-        from probformer import demo as demo_module
+        from probformer.training import demo as demo_module
 
         return demo_module.main(args.steps, args.out)
     if args.command == "diagnose":
@@ -69,7 +69,7 @@ def read_sentences(data: str) -> list[list[str]]:
     """Sentences from ``ptb-<split>`` or a text file with one sentence per line."""
     from pathlib import Path
 
-    from probformer.data import ptb_sentences
+    from probformer.training.data import ptb_sentences
 
     if data.startswith("ptb-"):
         return ptb_sentences(data[4:])
@@ -85,9 +85,9 @@ def read_sentences(data: str) -> list[list[str]]:
 def run_diagnose(checkpoint: str, data: str, out: str, count: int) -> int:
     from pathlib import Path
 
-    from probformer import checkpoint as checkpoints
-    from probformer import data as text
     from probformer import diagnostics
+    from probformer.training import checkpoint as checkpoints
+    from probformer.training import data as text
 
     if count < 1:
         raise ValueError(f"--sentences must be >= 1, got {count}")

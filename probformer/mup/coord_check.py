@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from inference import head_kernels
-from probformer import data
 from probformer.mup import param_groups, widen
+from probformer.training import data
 
 __all__ = ["ACTIVATIONS", "activation_sizes", "run", "width_ratios", "plot"]
 
@@ -82,7 +82,7 @@ def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, b
     ``base_config`` widened to each width (its ``mup`` flag picks the parametrisation),
     each size averaged over ``seeds`` initialisations (one seed's random features make
     narrow models noisy)."""
-    from probformer.probabilistic_transformer import ProbabilisticTransformer
+    from probformer.models.probabilistic_transformer import ProbabilisticTransformer
 
     if batches is None:
         batches, vocab_size = fixed_batches(steps)
@@ -159,7 +159,7 @@ def plot(results: dict[str, dict], path) -> Path:
 def main(out, widths=(64, 128, 256, 512, 1024), steps: int = 5, lr: float = 1e-2) -> dict:
     """Both paradigms, standard and μP; writes ``coord_check.json`` and one PNG per
     paradigm to ``out``; returns the ratios."""
-    from probformer.probabilistic_transformer import PTConfig
+    from probformer.models.probabilistic_transformer import PTConfig
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

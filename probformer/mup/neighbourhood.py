@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 import inference
-from probformer import run_config
 from probformer.mup import base_width
+from probformer.training import run_config
 
 __all__ = ["samples_needed", "base_point", "perturb", "run"]
 
@@ -54,7 +54,7 @@ def with_point(config: run_config.RunConfig, point: dict[str, float]) -> run_con
 
 
 def run(config_path, samples: int | None = None, radius: float = 0.5, seed: int = 0, out=None) -> dict:
-    from probformer.train import train
+    from probformer.training.trainer import train
 
     config = run_config.load(config_path)
     samples = samples_needed() if samples is None else samples

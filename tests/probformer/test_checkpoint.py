@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import probformer as pf
-from probformer import checkpoint, data
+from probformer.training import checkpoint, data
 
 
 def models():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from probformer import data
+from probformer.training import data
 
 
 def test_ptb_is_available_offline_with_the_standard_counts():

@@ -2,7 +2,7 @@
 
 import json
 
-from probformer import demo
+from probformer.training import demo
 
 
 def test_demo_trains_both_models_and_writes_everything(tmp_path, capsys):

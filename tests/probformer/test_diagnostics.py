@@ -196,7 +196,8 @@ def test_report_needs_the_protocol():
 
 def test_diagnose_cli_writes_the_report(tmp_path, capsys):
     import probformer as pf
-    from probformer import checkpoint, cli, data
+    from probformer import cli
+    from probformer.training import checkpoint, data
 
     sentences = data.ptb_sentences("valid")[:50]
     vocab = data.Vocabulary.build(sentences)

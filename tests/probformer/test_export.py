@@ -17,8 +17,11 @@ from safetensors.torch import save_file
 
 import graphs
 import probformer
-from probformer import checkpoint, cli, data, deploy, runtime
-from probformer.baselines import Transformer, TransformerConfig
+from probformer import cli
+from probformer.deploy import exporter as deploy
+from probformer.models import blocks as runtime
+from probformer.models.baselines import Transformer, TransformerConfig
+from probformer.training import checkpoint, data
 
 torch.set_num_threads(1)
 VOCAB = 40

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probformer.corpus import IGNORE
-from probformer.folded_context import FoldedContext, FoldedContextConfig, FoldedStreamState
-from probformer.recall import RecallTask
+from probformer.models.folded_context import FoldedContext, FoldedContextConfig, FoldedStreamState
+from probformer.training.corpus import IGNORE
+from probformer.training.recall import RecallTask
 
 
 def model(folded=True, segment=4, seed=0, **overrides):

@@ -91,7 +91,7 @@ def test_engine_scales_are_relative_to_the_base():
 
 
 def test_widen_keeps_bookkeeping_and_survives_checkpoints(tmp_path):
-    from probformer import checkpoint
+    from probformer.training import checkpoint
 
     config = mup.widen(_config(mup=True, mup_paradigm="rank"), 64)
     assert (config.labels, config.channels, config.rank, config.global_labels) == (64, 2, 16, 16)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import probformer as pf
-from probformer.particle_transformer import ParticleConfig, ParticleTransformer
+from probformer.models.particle_transformer import ParticleConfig, ParticleTransformer
 
 
 def small(**overrides):

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probformer import checkpoint, deploy, run_config
-from probformer.runtime import window_attention
-from probformer.swarmformer import SwarmConfig, SwarmFormer
+from probformer.deploy import exporter as deploy
+from probformer.models.blocks import window_attention
+from probformer.models.swarmformer import SwarmConfig, SwarmFormer
+from probformer.training import checkpoint, run_config
 
 
 def small(**overrides):

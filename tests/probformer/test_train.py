@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from probformer import checkpoint, run_config
-from probformer.corpus import epoch_order
-from probformer.evaluate import attachment_scores, evaluate
-from probformer.train import Trainer, latest_checkpoint, train
+from probformer.training import checkpoint, run_config
+from probformer.training.corpus import epoch_order
+from probformer.training.evaluate import attachment_scores, evaluate
+from probformer.training.trainer import Trainer, latest_checkpoint, train
 
 TINY = """
 [model]
@@ -244,7 +244,7 @@ def test_pos_tagging_and_attachment_scores(tmp_path, tiny_ewt):
 def test_attachment_scores_of_a_known_posterior(tiny_ewt):
     """A model whose head posterior is 'the next word' scores exactly the right-neighbour
     baseline on the channel that says so."""
-    from probformer import data
+    from probformer.training import data
 
     class NextWord(torch.nn.Module):
         def __init__(self):
@@ -296,7 +296,7 @@ def test_swarmformer_and_folded_context_train(tmp_path, name):
 
 
 def test_lm_targets_are_the_next_real_token():
-    from probformer.corpus import IGNORE, inputs_and_targets
+    from probformer.training.corpus import IGNORE, inputs_and_targets
 
     tokens = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
     mask = tokens != 0

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import probformer
-from probformer.train import train
+from probformer.training.trainer import train
 
 torch.set_num_threads(1)
 VOCAB = 30

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probformer import data, run_config
+from probformer.training import data, run_config
 
 __all__ = ["Corpus", "prepare_corpus", "epoch_order", "collate", "inputs_and_targets", "IGNORE"]
 

@@ -8,7 +8,7 @@
     export(model, path, format="onnx")      ONNX through torch's exporter, checked with
                                             onnxruntime
 
-Every format holds the inference forward pass of ``probformer.runtime``: mean-field
+Every format holds the inference forward pass of ``probformer.models.blocks``: mean-field
 iterations unrolled, resampling by its fixed argmax rule. ``export`` runs the artefact
 it wrote on an example batch and refuses to finish unless it matches the source model.
 ``load`` reads any of the three and never unpickles: safetensors for weights, and a
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from probformer import runtime
+from probformer.models import blocks as runtime
 
 __all__ = ["export", "load", "to_runtime", "FORMATS"]
 
@@ -47,7 +47,7 @@ TOLERANCE = 1e-5
 
 
 def _kind_and_config(model) -> tuple[str, dict]:
-    from probformer.checkpoint import MODELS
+    from probformer.training.checkpoint import MODELS
 
     kind = next((k for k, (_, cls) in MODELS.items() if isinstance(model, cls)), None)
     if kind is None:
@@ -150,7 +150,7 @@ def export(model, path, format: str = "torch", example=None, vocabulary=None, to
     if format not in FORMATS:
         raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
     if isinstance(model, str | Path):
-        from probformer.evaluate import load_any
+        from probformer.training.evaluate import load_any
 
         model, stored = load_any(model)
         vocabulary = vocabulary or stored
@@ -257,7 +257,7 @@ def _onnx_export(twin, tokens, mask, target: Path) -> None:
 def load(path):
     """What ``export`` wrote, ready to call as ``model(tokens, mask) -> logits``:
 
-    - a "torch" directory: the ``probformer.runtime`` module (an ``nn.Module``);
+    - a "torch" directory: the ``probformer.models.blocks`` module (an ``nn.Module``);
     - a .pt2 file: the ExportedProgram's module, behind ``Checked`` (input checks);
     - an .onnx file: an onnxruntime session behind ``Checked`` (torch tensors in/out).
 

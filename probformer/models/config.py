@@ -30,7 +30,7 @@ class ConfigMixin:
     def check_task(self, model: str) -> None:
         """``task``, ``pooling`` (mean only: no ROOT node) and ``num_classes`` of a
         network with a ``TaskHead``."""
-        from probformer.runtime import TASKS
+        from probformer.models.blocks import TASKS
 
         if self.task not in TASKS:
             raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")

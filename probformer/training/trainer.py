@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from probformer import checkpoint, mup, run_config
-from probformer.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
-from probformer.run_config import RunConfig
+from probformer import mup
+from probformer.training import checkpoint, run_config
+from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
+from probformer.training.run_config import RunConfig
 
 __all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
 

@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from probformer.config import ConfigMixin
+from probformer.models.config import ConfigMixin
 
 __all__ = ["DataConfig", "TrainConfig", "RunConfig", "load", "SOURCES", "TASKS", "SCHEDULES"]
 
@@ -100,7 +100,7 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> RunConfig:
-        from probformer.checkpoint import MODELS
+        from probformer.training.checkpoint import MODELS
 
         if not isinstance(values, dict):
             raise ValueError("a run config must be a table with [model], [data] and [train]")
@@ -131,7 +131,7 @@ class RunConfig:
         return config
 
     def model_config(self, vocab_size: int, num_classes: int = 0):
-        from probformer.checkpoint import MODELS
+        from probformer.training.checkpoint import MODELS
 
         config_cls, _ = MODELS[self.kind]
         keys = {k: v for k, v in self.model.items() if k != "kind"}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probformer.corpus import IGNORE
+from probformer.training.corpus import IGNORE
 
 __all__ = ["RecallTask"]
 

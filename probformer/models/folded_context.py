@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.folding import segment_stream
-from probformer.config import ConfigMixin
-from probformer.runtime import Block, check_token_inputs
+from probformer.models.blocks import Block, check_token_inputs
+from probformer.models.config import ConfigMixin
 
 __all__ = ["FoldedContextConfig", "FoldedContext", "FoldedStreamState"]
 

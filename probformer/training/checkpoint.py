@@ -12,13 +12,13 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from probformer.baselines import Transformer, TransformerConfig
-from probformer.data import SubwordVocabulary, Vocabulary
-from probformer.folded_context import FoldedContext, FoldedContextConfig
-from probformer.particle_transformer import ParticleConfig, ParticleTransformer
-from probformer.probabilistic_transformer import ProbabilisticTransformer, PTConfig
-from probformer.runtime import check_state
-from probformer.swarmformer import SwarmConfig, SwarmFormer
+from probformer.models.baselines import Transformer, TransformerConfig
+from probformer.models.blocks import check_state
+from probformer.models.folded_context import FoldedContext, FoldedContextConfig
+from probformer.models.particle_transformer import ParticleConfig, ParticleTransformer
+from probformer.models.probabilistic_transformer import ProbabilisticTransformer, PTConfig
+from probformer.models.swarmformer import SwarmConfig, SwarmFormer
+from probformer.training.data import SubwordVocabulary, Vocabulary
 
 __all__ = ["save", "load", "MODELS", "FORMAT"]
 

@@ -28,14 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probformer.config import ConfigMixin
-from probformer.runtime import (
+from probformer.models.blocks import (
     Block,
     TaskHead,
     check_token_inputs,
     log_attention_mass,
     normalised_ess,
 )
+from probformer.models.config import ConfigMixin
 
 __all__ = ["ParticleConfig", "ParticleTransformer", "RESAMPLING"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from probformer.config import ConfigMixin
-from probformer.runtime import NORMS, Block, TaskHead, check_token_inputs
+from probformer.models.blocks import NORMS, Block, TaskHead, check_token_inputs
+from probformer.models.config import ConfigMixin
 
 __all__ = ["TransformerConfig", "Transformer", "equal_size", "parameter_count"]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from probformer import checkpoint, data
-from probformer.corpus import IGNORE
-from probformer.train import evaluate_model, latest_checkpoint
+from probformer.training import checkpoint, data
+from probformer.training.corpus import IGNORE
+from probformer.training.trainer import evaluate_model, latest_checkpoint
 
 __all__ = ["load_any", "evaluate", "attachment_scores", "TASKS"]
 

@@ -20,10 +20,10 @@ from torch import nn
 
 import graphs
 import inference
-from probformer import mup
-from probformer.config import ConfigMixin
-from probformer.mup import PARADIGMS
-from probformer.runtime import POOLINGS, TASKS, TaskHead
+from probformer.models import mup
+from probformer.models.blocks import POOLINGS, TASKS, TaskHead
+from probformer.models.config import ConfigMixin
+from probformer.models.mup import PARADIGMS
 
 __all__ = ["PTConfig", "ProbabilisticTransformer"]
 

@@ -12,11 +12,11 @@ import torch
 
 import graphs
 import inference
-from probformer import data, run_config
-from probformer.corpus import collate
-from probformer.train import train
+from probformer.training import data, run_config
+from probformer.training.corpus import collate
+from probformer.training.trainer import train
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def oracles_on_a_sentence(sentence: list[str]) -> None:
@@ -42,8 +42,8 @@ def oracles_on_a_sentence(sentence: list[str]) -> None:
 
 def diagnose(run: Path, config: run_config.RunConfig) -> list[str]:
     from probformer import diagnostics
-    from probformer.corpus import prepare_corpus
-    from probformer.evaluate import load_any
+    from probformer.training.corpus import prepare_corpus
+    from probformer.training.evaluate import load_any
 
     model, vocabulary = load_any(run)
     model.eval()

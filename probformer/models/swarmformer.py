@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probformer.config import ConfigMixin
-from probformer.runtime import Block, TaskHead, check_token_inputs
+from probformer.models.blocks import Block, TaskHead, check_token_inputs
+from probformer.models.config import ConfigMixin
 
 __all__ = ["SwarmConfig", "SwarmFormer", "SwarmLayer", "ROUTINGS"]
 

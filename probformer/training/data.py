@@ -115,7 +115,7 @@ def ewt_path(split: str) -> Path:
     ``shared/data/ud-english-ewt`` beside this repository."""
     if split not in ("train", "dev", "test"):
         raise ValueError(f"unknown EWT split {split!r}; allowed: ['train', 'dev', 'test']")
-    default = Path(__file__).resolve().parents[2] / "shared" / "data" / "ud-english-ewt"
+    default = Path(__file__).resolve().parents[3] / "shared" / "data" / "ud-english-ewt"
     folder = Path(os.environ.get("PROBFORMER_EWT", default))
     path = folder / f"en_ewt-ud-{split}.conllu"
     if not path.is_file():
