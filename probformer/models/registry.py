@@ -1,0 +1,63 @@
+"""Every model kind in one table: its name in files, its config class and its model class.
+
+Checkpoints, exports and the trainer find a model here by the ``kind`` string they
+store, so a model file never needs to know who saves or loads it. Modules are
+imported on first use: loading one kind imports only that kind's code.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+__all__ = ["KINDS", "classes", "kind_of", "build", "LogitsOnly"]
+
+# kind -> (module, config class, model class)
+KINDS = {
+    "probabilistic_transformer": ("probabilistic_transformer", "PTConfig", "ProbabilisticTransformer"),
+    "particle_transformer": ("particle_transformer", "ParticleConfig", "ParticleTransformer"),
+    "transformer": ("baselines", "TransformerConfig", "Transformer"),
+    "swarmformer": ("swarmformer", "SwarmConfig", "SwarmFormer"),
+    "folded_context": ("folded_context", "FoldedContextConfig", "FoldedContext"),
+}
+
+
+def classes(kind: str) -> tuple[type, type]:
+    """``(config class, model class)`` of ``kind``; ``ValueError`` naming the known kinds."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; known: {sorted(KINDS)}")
+    module, config_name, model_name = KINDS[kind]
+    found = importlib.import_module(f"probformer.models.{module}")
+    return getattr(found, config_name), getattr(found, model_name)
+
+
+def kind_of(model) -> str:
+    """The kind of a model instance (under DDP or torch.compile too)."""
+    model = getattr(model, "module", getattr(model, "_orig_mod", model))
+    for kind, (module, _, model_name) in KINDS.items():
+        if type(model).__name__ == model_name and type(model).__module__ == f"probformer.models.{module}":
+            return kind
+    raise ValueError(f"not a probformer model: {type(model).__name__}; known kinds: {sorted(KINDS)}")
+
+
+def build(kind: str, config: dict, section: str = "config") -> nn.Module:
+    """A freshly initialised model of ``kind`` from a plain config dict (as stored in a
+    checkpoint or an export); every value is checked by the config class."""
+    config_cls, model_cls = classes(kind)
+    return model_cls(config_cls.from_dict(config, section=section))
+
+
+class LogitsOnly(nn.Module):
+    """The inference view of any model: ``(tokens, mask) -> logits``, the model's own
+    forward with its second output (posterior, trace) dropped. Exports trace this, so
+    the exported graph is the trained model's forward, not a restatement of it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.model(tokens, mask)
+        return out[0] if isinstance(out, tuple) else out
