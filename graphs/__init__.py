@@ -1,13 +1,24 @@
 """graphs: declare factor graphs (the PT CRF, topologies) as data and as Pyro models.
 
-``graphs`` never imports ``inference`` or ``probformer``.
+``graphs`` never imports ``inference`` or ``probformer``. Importing it imports torch
+alone: Pyro is imported when a Pyro model is generated (``CRF.model``,
+``ParticleView``), networkx when a topology is drawn as a graph, so the tensors a
+trained model needs (potentials, masks, distance groups) run without either.
 """
+
+import importlib
 
 from graphs import topology
 from graphs.crf import CRF, GLOBAL_MEMORIES, TERNARY_FORMS, distance_groups
 
-__all__ = ["CRF", "GLOBAL_MEMORIES", "TERNARY_FORMS", "distance_groups", "topology"]
+__all__ = ["CRF", "GLOBAL_MEMORIES", "TERNARY_FORMS", "distance_groups", "topology", "ParticleView"]
 
-from graphs.particle_view import ParticleView  # noqa: E402
+_LAZY = {"ParticleView": "graphs.particle_view"}
 
-__all__ += ["ParticleView"]
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'graphs' has no attribute {name!r}")

@@ -47,10 +47,7 @@ from __future__ import annotations
 
 import math
 
-import pyro
-import pyro.distributions as dist
 import torch
-from pyro.ops.indexing import Vindex
 from torch import nn
 
 from graphs import topology as topologies
@@ -332,6 +329,10 @@ class CRF(nn.Module):
         function. Padded tokens get no factors (their sites integrate to one) and are
         never heads; a node with no legal head in a channel gets no head site.
         """
+        import pyro  # the declaration needs Pyro; the tensors (potentials, masks) do not
+        import pyro.distributions as dist
+        from pyro.ops.indexing import Vindex
+
         self._check_factor_graph()
         tokens, mask = self.check_inputs(tokens, mask)
         self.check_parameters()

@@ -21,7 +21,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import networkx as nx
 import torch
 
 __all__ = [
@@ -70,8 +69,11 @@ class Topology:
         arcs.fill_diagonal_(False)
         return arcs
 
-    def graph(self, n: int) -> nx.DiGraph:
-        """The arcs as a DiGraph (edge i -> j: i may choose j as head); nodes carry ``kind``."""
+    def graph(self, n: int):
+        """The arcs as a networkx DiGraph (edge i -> j: i may choose j as head); nodes carry
+        ``kind``. networkx is imported here only: masks need torch alone."""
+        import networkx as nx
+
         arcs = self.mask(n)
         g = nx.DiGraph(topology=self.name)
         for i in range(n):

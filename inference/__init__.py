@@ -1,30 +1,39 @@
 """inference: engines that compute marginals of ``graphs`` models.
 
-Exact (Pyro enumeration) and Gibbs (NumPyro) are the reference oracles.
-``inference`` never imports ``probformer``.
+Exact (Pyro enumeration) and Gibbs (NumPyro) are the reference oracles; MeanField and
+SMC are the compiled engines. ``inference`` never imports ``probformer``.
+
+The numerical core a trained model runs (``mean_field``, ``head_kernels``,
+``halting``, ``folding``, ``posterior``) imports torch alone; the engines built on Pyro,
+NumPyro or ArviZ are imported on first use, so an exported model loads where those
+are not installed.
 """
 
-from inference.exact import Exact
+import importlib
+
+from inference.folding import Folded, FoldState
+from inference.mean_field import MeanField, MessageWeights, MupScales
 from inference.posterior import Posterior
 
-__all__ = ["Exact", "Posterior"]
+_LAZY = {
+    "Exact": "inference.exact",
+    "Gibbs": "inference.gibbs",
+    "GibbsResult": "inference.gibbs",
+    "SMC": "inference.smc",
+    "SMCResult": "inference.smc",
+    "mean_field_guide": "inference.svi",
+}
 
-from inference.gibbs import Gibbs, GibbsResult  # noqa: E402
+__all__ = ["Posterior", "MeanField", "MessageWeights", "MupScales", "Folded", "FoldState", *_LAZY]
 
-__all__ += ["Gibbs", "GibbsResult"]
 
-from inference.mean_field import MeanField, MessageWeights, MupScales  # noqa: E402
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'inference' has no attribute {name!r}")
 
-__all__ += ["MeanField", "MessageWeights", "MupScales"]
 
-from inference.smc import SMC, SMCResult  # noqa: E402
-
-__all__ += ["SMC", "SMCResult"]
-
-from inference.svi import mean_field_guide  # noqa: E402
-
-__all__ += ["mean_field_guide"]
-
-from inference.folding import Folded, FoldState  # noqa: E402
-
-__all__ += ["Folded", "FoldState"]
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
