@@ -1,0 +1,154 @@
+"""The diagnostics' measures: when importance weights degenerate (the SMC view of
+attention) and when token representations collapse (over-smoothing).
+
+    ess(weights) / ess(log_weights=...)   effective sample size (sum w)^2 / sum w^2
+    pareto_k(log_weights)                 PSIS Pareto k-hat through ArviZ, with a verdict
+    diversity(hidden, mask)               cosine similarity, effective rank, distance to
+                                          the all-tokens-equal subspace
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from inference import arviz_interop
+
+__all__ = ["ess", "pareto_k", "ParetoK", "diversity", "Diversity", "MIN_PSIS_DRAWS"]
+
+# ArviZ fits the generalised Pareto to the ceil(min(S / 5, 3 sqrt(S))) largest weights
+# and needs at least 5 of them: S >= 21.
+MIN_PSIS_DRAWS = 21
+
+
+def _check_tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value, dtype=torch.float64)
+    if not value.dtype.is_floating_point:
+        value = value.double()
+    if value.numel() == 0:
+        raise ValueError(f"{name} must be non-empty")
+    if torch.isnan(value).any():
+        raise ValueError(f"{name} contains NaN")
+    return value
+
+
+def ess(weights=None, *, log_weights=None, dim: int = -1, normalized: bool = False) -> torch.Tensor:
+    """Effective sample size ``(sum w)^2 / sum w^2`` along ``dim``.
+
+    Give non-negative ``weights`` (attention rows ``[B, H, n, n]``, column mass, SMC
+    weights ``[B, N]``) or ``log_weights`` (computed stably in log space:
+    ``exp(2 lse(lw) - lse(2 lw))``). ``normalized=True`` divides by the number of
+    weights (1 = uniform, 1/N = one weight carries everything).
+    """
+    if (weights is None) == (log_weights is None):
+        raise ValueError("give exactly one of weights or log_weights")
+    if log_weights is not None:
+        lw = _check_tensor("log_weights", log_weights)
+        if torch.isposinf(lw).any():
+            raise ValueError("log_weights contains +inf")
+        if torch.isneginf(lw).all(dim=dim).any():
+            raise ValueError(f"log_weights are all -inf along dim {dim}: no weight to measure")
+        value = (2 * lw.logsumexp(dim) - (2 * lw).logsumexp(dim)).exp()
+        size = lw.shape[dim]
+    else:
+        w = _check_tensor("weights", weights)
+        if (w < 0).any() or torch.isinf(w).any():
+            raise ValueError("weights must be finite and non-negative")
+        total = w.sum(dim)
+        if (total == 0).any():
+            raise ValueError(f"weights sum to zero along dim {dim}: no weight to measure")
+        # rescale by the max first so squares cannot overflow or underflow
+        w = w / w.amax(dim, keepdim=True)
+        value = w.sum(dim) ** 2 / (w**2).sum(dim)
+        size = w.shape[dim]
+    return value / size if normalized else value
+
+
+@dataclass
+class ParetoK:
+    """k-hat per row (-inf for equal weights), the sample-size-aware threshold min(1 - 1/log10(S), 0.7), a verdict per
+    row ("ok": k < 0.5; "high": up to the threshold; "degenerate": above it; "unreliable":
+    too few draws, k = nan), and the Pareto-smoothed log weights."""
+
+    k: np.ndarray
+    threshold: float
+    verdict: np.ndarray
+    smoothed_log_weights: np.ndarray
+
+
+def pareto_k(log_weights, relative_efficiency: float = 1.0) -> ParetoK:
+    """PSIS Pareto k-hat of log importance ratios ``[..., S]`` (last axis: the S draws),
+    computed by ArviZ's ``psislw``."""
+    lw = _check_tensor("log_weights", log_weights).detach().cpu().double().numpy()
+    if np.isposinf(lw).any():
+        raise ValueError("log_weights contains +inf")
+    if np.isneginf(lw).all(axis=-1).any():
+        raise ValueError("log_weights are all -inf along the draws axis")
+    draws = lw.shape[-1]
+    threshold = min(1 - 1 / math.log10(draws), 0.7) if draws > 1 else -math.inf
+    if draws < MIN_PSIS_DRAWS:
+        warnings.warn(
+            f"PSIS needs at least {MIN_PSIS_DRAWS} draws to fit the tail, got {draws}: k-hat is nan (unreliable)",
+            stacklevel=2,
+        )
+        k = np.full(lw.shape[:-1], np.nan)
+        smoothed = lw - np.logaddexp.reduce(lw, axis=-1, keepdims=True)
+    else:
+        finite = np.where(np.isneginf(lw), np.finfo(float).min, lw)
+        smoothed, k = arviz_interop.psislw(finite, relative_efficiency)
+        constant = np.ptp(lw, axis=-1) == 0  # equal weights: no tail at all
+        k = np.where(constant, -np.inf, np.where(np.isfinite(k), k, np.nan))
+    verdict = np.where(
+        np.isnan(k), "unreliable", np.where(k < 0.5, "ok", np.where(k <= threshold, "high", "degenerate"))
+    )
+    return ParetoK(np.asarray(k), threshold, verdict, np.asarray(smoothed))
+
+
+@dataclass
+class Diversity:
+    """Per sequence: mean pairwise cosine similarity of distinct real tokens, effective rank
+    (exp of the entropy of the normalised singular values), and the relative distance
+    ``||X - 1 mean(X)|| / ||X||`` to the subspace where all tokens are equal."""
+
+    cosine: torch.Tensor  # [B]
+    effective_rank: torch.Tensor  # [B]
+    rank_one_distance: torch.Tensor  # [B]
+
+
+def diversity(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> Diversity:
+    """Over-smoothing statistics of token representations ``[B, n, D]``."""
+    hidden = _check_tensor("hidden", hidden)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape [batch, tokens, width], got {tuple(hidden.shape)}")
+    if torch.isinf(hidden).any():
+        raise ValueError("hidden contains Inf")
+    B, n, _ = hidden.shape
+    mask = torch.ones(B, n, dtype=torch.bool, device=hidden.device) if mask is None else mask
+    if mask.shape != (B, n) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor of shape {(B, n)}")
+    if (mask.sum(1) < 1).any():
+        raise ValueError("every sequence needs at least one real token")
+    x = hidden.double() * mask[..., None]
+    count = mask.sum(1).double()
+
+    unit = torch.nn.functional.normalize(x, dim=-1)
+    gram = unit @ unit.transpose(1, 2)
+    pairs = (mask[:, :, None] & mask[:, None, :]) & ~torch.eye(n, dtype=torch.bool, device=x.device)
+    pair_count = pairs.sum((1, 2)).double()
+    cosine = torch.where(pair_count > 0, (gram * pairs).sum((1, 2)) / pair_count.clamp(min=1), 1.0)
+
+    singular = torch.linalg.svdvals(x)  # padded rows are zero: they add no singular value
+    p = singular / singular.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
+    entropy = -(p * torch.where(p > 0, p, 1.0).log()).sum(-1)
+    effective_rank = torch.where(singular.sum(-1) > 0, entropy.exp(), 0.0)
+
+    mean = x.sum(1, keepdim=True) / count[:, None, None]
+    residual = ((x - mean) * mask[..., None]).norm(dim=(1, 2))
+    norm = x.norm(dim=(1, 2))
+    distance = torch.where(norm > 0, residual / norm.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+    return Diversity(cosine, effective_rank, distance)

@@ -1,0 +1,76 @@
+"""``plot_report(report, directory)``: PNG figures of a ``report``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["plot_report"]
+
+
+def plot_report(data, directory) -> list[str]:
+    """Write ess.png, pareto_k.png, diversity.png (and elbo.png) of a ``report``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def figure(name, draw):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax)
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        handles, _ = ax.get_legend_handles_labels()
+        if 0 < len(handles) <= 10:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = directory / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(str(path))
+
+    def per_head(ax, array, title, ylabel):
+        layers = np.arange(array.shape[0])
+        for head in range(array.shape[1]):
+            ax.plot(layers, array[:, head], marker="o", alpha=0.6, label=f"head {head}")
+        ax.set(title=title, xlabel="layer", ylabel=ylabel)
+
+    ess_group = data["ess"]
+    figure(
+        "ess", lambda ax: per_head(ax, ess_group["columns"].values, "ESS of attention received / n", "normalised ESS")
+    )
+    k = data["pareto_k"]
+
+    def draw_k(ax):
+        per_head(ax, k["attention_mass"].values, "Pareto k-hat of attention mass", "k-hat")
+        if "log_weights" in k:
+            ax.plot(k["log_weights"].values, "k-", linewidth=2, label="SMC log-weights")
+        ax.axhline(k.attrs.get("pareto_k_threshold", 0.7), color="red", linestyle="--", label="threshold")
+
+    figure("pareto_k", draw_k)
+    div = data["diversity"]
+
+    def draw_diversity(ax):
+        for name in ("cosine", "rank_one_distance"):
+            ax.plot(div[name].values, marker="o", label=name)
+        ax.set(title="representation diversity per layer", xlabel="layer")
+        twin = ax.twinx()
+        twin.plot(div["effective_rank"].values, "g--", marker="s", label="effective rank")
+        twin.set_ylabel("effective rank")
+        twin.legend(loc="upper right", fontsize=7)
+
+    figure("diversity", draw_diversity)
+    if "elbo" in data.groups():
+        figure(
+            "elbo",
+            lambda ax: (
+                ax.plot(data["elbo"]["elbo"].values, marker="o"),
+                ax.set(title="mean-field ELBO", xlabel="iteration", ylabel="ELBO"),
+            ),
+        )
+    return written
