@@ -38,12 +38,17 @@ def _check_tensor(name: str, value) -> torch.Tensor:
 
 
 def ess(weights=None, *, log_weights=None, dim: int = -1, normalized: bool = False) -> torch.Tensor:
-    """Effective sample size ``(sum w)^2 / sum w^2`` along ``dim``.
+    """Effective sample size ``(sum w)^2 / sum w^2`` along ``dim``, in float64.
 
     Give non-negative ``weights`` (attention rows ``[B, H, n, n]``, column mass, SMC
-    weights ``[B, N]``) or ``log_weights`` (computed stably in log space:
-    ``exp(2 lse(lw) - lse(2 lw))``). ``normalized=True`` divides by the number of
+    weights ``[B, N]``) or ``log_weights``. ``normalized=True`` divides by the number of
     weights (1 = uniform, 1/N = one weight carries everything).
+
+    Computed stably and exactly where it can be: the weights are divided by their
+    maximum (log weights: the maximum is subtracted) before anything is summed, and the
+    sums run in float64 as ``s1 * (s1 / s2)``. So N equal weights give exactly N, at any
+    magnitude and in any input dtype (the shifted weights are all exactly 1), and no
+    square overflows or underflows.
     """
     if (weights is None) == (log_weights is None):
         raise ValueError("give exactly one of weights or log_weights")
@@ -53,20 +58,18 @@ def ess(weights=None, *, log_weights=None, dim: int = -1, normalized: bool = Fal
             raise ValueError("log_weights contains +inf")
         if torch.isneginf(lw).all(dim=dim).any():
             raise ValueError(f"log_weights are all -inf along dim {dim}: no weight to measure")
-        value = (2 * lw.logsumexp(dim) - (2 * lw).logsumexp(dim)).exp()
-        size = lw.shape[dim]
+        # the shift happens in the input dtype: equal entries give exactly 0, whatever their size
+        w = (lw - lw.amax(dim, keepdim=True)).double().exp()
     else:
         w = _check_tensor("weights", weights)
         if (w < 0).any() or torch.isinf(w).any():
             raise ValueError("weights must be finite and non-negative")
-        total = w.sum(dim)
-        if (total == 0).any():
+        if (w.sum(dim) == 0).any():
             raise ValueError(f"weights sum to zero along dim {dim}: no weight to measure")
-        # rescale by the max first so squares cannot overflow or underflow
-        w = w / w.amax(dim, keepdim=True)
-        value = w.sum(dim) ** 2 / (w**2).sum(dim)
-        size = w.shape[dim]
-    return value / size if normalized else value
+        w = w.double() / w.double().amax(dim, keepdim=True)  # the largest weight is exactly 1
+    first, second = w.sum(dim), (w * w).sum(dim)
+    value = first * (first / second)  # N ones: N * (N / N) = N exactly
+    return value / w.shape[dim] if normalized else value
 
 
 @dataclass

@@ -30,6 +30,40 @@ def test_ess_is_scale_invariant_and_log_space_agrees(seed, scale):
     torch.testing.assert_close(diagnostics.ess(log_weights=w.log() + 800.0), by_hand)  # no overflow
 
 
+FLOAT_DTYPES = {torch.float16: 6e4, torch.bfloat16: 1e30, torch.float32: 1e30, torch.float64: 1e30}
+
+
+@given(
+    dtype=st.sampled_from(list(FLOAT_DTYPES)),
+    size=st.integers(1, 4096),
+    fraction=st.floats(-1.0, 1.0),
+    exponent=st.integers(-30, 30),
+)
+def test_ess_of_equal_weights_is_exactly_n_at_any_magnitude_and_dtype(dtype, size, fraction, exponent):
+    """N equal log-weights (or weights) give exactly N: issue 17 measured 3.00006 for three
+    equal float32 log-weights of large magnitude."""
+    magnitude = min(abs(fraction) * 10.0**exponent, FLOAT_DTYPES[dtype])
+    value = math.copysign(magnitude, fraction)
+    assert diagnostics.ess(log_weights=torch.full((size,), value, dtype=dtype)).item() == size
+    assert diagnostics.ess(log_weights=torch.full((2, size), value, dtype=dtype), normalized=True).tolist() == [1.0] * 2
+    weights = torch.full((size,), magnitude, dtype=dtype)
+    if weights[0] > 0:  # tiny magnitudes underflow to 0 in half precision: no weight to measure
+        assert diagnostics.ess(weights).item() == size
+
+
+@given(
+    logs=st.lists(st.floats(-1e30, 1e30, allow_nan=False), min_size=1, max_size=40),
+    shift=st.sampled_from([0.0, -1e6, 1e6, 1e30]),
+)
+def test_ess_of_log_weights_matches_an_exact_sum(logs, shift):
+    """Oracle: shift by the maximum in Python floats, sum with math.fsum (exactly rounded)."""
+    lw = torch.tensor(logs, dtype=torch.float64) + shift
+    top = max(lw.tolist())
+    w = [math.exp(x - top) for x in lw.tolist()]
+    first, second = math.fsum(w), math.fsum(x * x for x in w)
+    assert diagnostics.ess(log_weights=lw).item() == pytest.approx(first * first / second, rel=1e-12)
+
+
 def test_ess_works_along_other_dims_on_attention_shapes():
     attention = torch.rand(2, 3, 6, 6).softmax(-1)
     column_mass = attention.sum(-2)
