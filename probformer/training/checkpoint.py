@@ -1,42 +1,69 @@
 """Checkpoints: a directory with ``config.json`` (format, model kind, config),
 ``model.safetensors`` (weights; never pickle) and optionally ``vocabulary.json`` (and
 ``tokenizer.json`` for a subword vocabulary).
+
 Every file is written to a temporary name and renamed into place, so a killed
-process leaves either the old file or the new one."""
+process leaves either the old file or the new one; a failed write (disk full,
+permission denied) removes its temporary file and raises one ``WriteError`` naming
+the path. ``load`` refuses weights that are not finite, naming the tensor."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from probformer.models.baselines import Transformer, TransformerConfig
+from probformer.models import registry
 from probformer.models.blocks import check_state
-from probformer.models.folded_context import FoldedContext, FoldedContextConfig
-from probformer.models.particle_transformer import ParticleConfig, ParticleTransformer
-from probformer.models.probabilistic_transformer import ProbabilisticTransformer, PTConfig
-from probformer.models.swarmformer import SwarmConfig, SwarmFormer
 from probformer.training.data import SubwordVocabulary, Vocabulary
 
-__all__ = ["save", "load", "MODELS", "FORMAT"]
+__all__ = ["save", "load", "MODELS", "FORMAT", "WriteError", "write_failure", "check_finite"]
 
 FORMAT = "probformer-checkpoint/1"
-MODELS = {
-    "probabilistic_transformer": (PTConfig, ProbabilisticTransformer),
-    "particle_transformer": (ParticleConfig, ParticleTransformer),
-    "transformer": (TransformerConfig, Transformer),
-    "swarmformer": (SwarmConfig, SwarmFormer),
-    "folded_context": (FoldedContextConfig, FoldedContext),
-}
 
 
-def _kind(model) -> str:
-    for kind, (_, cls) in MODELS.items():
-        if isinstance(model, cls):
-            return kind
-    raise ValueError(f"cannot checkpoint a {type(model).__name__}; known models: {sorted(MODELS)}")
+class WriteError(OSError):
+    """A file of a checkpoint or run folder could not be written (disk full, permission
+    denied, ...): the message names the path and the reason."""
+
+
+def write_failure(path, error: BaseException) -> WriteError:
+    """One clear ``WriteError`` for ``error`` (an ``OSError``, a ``SafetensorError``, which
+    carries the OS error in its text, or a ``WriteError`` from a file inside ``path``)
+    raised while writing ``path``."""
+    if isinstance(error, WriteError):
+        reason, culprit = error.reason, error.filename
+    else:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        culprit = getattr(error, "filename", None)
+    where = f" (at {culprit})" if culprit and str(culprit) != str(path) else ""
+    failure = WriteError(f"cannot write {path}: {reason}{where}")
+    failure.errno, failure.filename, failure.reason = getattr(error, "errno", None), culprit, reason
+    return failure
+
+
+class _Models(Mapping):
+    """``kind -> (config class, model class)``, read from ``probformer.models.registry``
+    (kept for code that still indexes ``checkpoint.MODELS``)."""
+
+    def __getitem__(self, kind: str) -> tuple[type, type]:
+        if kind not in registry.KINDS:
+            raise KeyError(kind)
+        return registry.classes(kind)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registry.KINDS)
+
+    def __len__(self) -> int:
+        return len(registry.KINDS)
+
+
+MODELS = _Models()
 
 
 def _unique_state(model) -> dict:
@@ -51,18 +78,43 @@ def _unique_state(model) -> dict:
     return unique
 
 
+def check_finite(tensors: dict, where) -> None:
+    """``FloatingPointError`` naming the first floating tensor of ``tensors`` that holds a
+    NaN or an infinity (one host read for all of them)."""
+    floating = [(name, t) for name, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not floating:
+        return
+    finite = torch.stack([torch.isfinite(t).all() for _, t in floating]).tolist()
+    bad = [name for (name, _), ok in zip(floating, finite) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise FloatingPointError(f"{where}: tensor {bad[0]!r}{more} holds non-finite values (NaN or infinity)")
+
+
 def _atomic_write(path: Path, write) -> None:
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(temporary)
-    os.replace(temporary, path)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except (OSError, SafetensorError) as error:
+        temporary.unlink(missing_ok=True)
+        raise write_failure(path, error) from None
 
 
 def save(model, directory, vocabulary: Vocabulary | None = None) -> Path:
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        kind = registry.kind_of(model)
+    except ValueError:
+        known = sorted(registry.KINDS)
+        raise ValueError(f"cannot checkpoint a {type(model).__name__}; known models: {known}") from None
+    meta = {"format": FORMAT, "model": kind, "config": model.config.to_dict()}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise write_failure(directory, error) from None
     weights = {k: v.detach().contiguous().cpu() for k, v in _unique_state(model).items()}
     _atomic_write(directory / "model.safetensors", lambda p: save_file(weights, str(p)))
-    meta = {"format": FORMAT, "model": _kind(model), "config": model.config.to_dict()}
     _atomic_write(directory / "config.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
     if vocabulary is not None:
         _atomic_write(directory / "vocabulary.json", lambda p: p.write_text(json.dumps(vocabulary.words)))
@@ -73,7 +125,8 @@ def save(model, directory, vocabulary: Vocabulary | None = None) -> Path:
 
 def load(directory):
     """``(model, vocabulary or None)`` from a checkpoint directory; a clear error for
-    anything that is not one."""
+    anything that is not one (missing files, foreign format, wrong shapes, non-finite
+    weights)."""
     directory = Path(directory)
     config_path, weights_path = directory / "config.json", directory / "model.safetensors"
     for path in (config_path, weights_path):
@@ -87,15 +140,18 @@ def load(directory):
         raise ValueError(
             f"{config_path}: format must be {FORMAT!r}, got {meta.get('format') if isinstance(meta, dict) else meta!r}"
         )
-    if meta.get("model") not in MODELS:
-        raise ValueError(f"{config_path}: unknown model {meta.get('model')!r}; known: {sorted(MODELS)}")
-    config_cls, model_cls = MODELS[meta["model"]]
-    model = model_cls(config_cls.from_dict(meta.get("config", {}), section="config"))
+    if meta.get("model") not in registry.KINDS:
+        raise ValueError(f"{config_path}: unknown model {meta.get('model')!r}; known: {sorted(registry.KINDS)}")
+    model = registry.build(meta["model"], meta.get("config", {}), section="config")
     try:
         weights = load_file(str(weights_path))
     except Exception as error:  # safetensors raises its own errors on truncated or foreign files
         raise ValueError(f"{weights_path} is not a readable safetensors file: {error}") from None
     check_state(weights, _unique_state(model), weights_path)
+    try:
+        check_finite(weights, weights_path)
+    except FloatingPointError as error:
+        raise ValueError(f"{error}; refusing to load it") from None
     model.load_state_dict(weights, strict=False)  # aliases of the saved tensors fill themselves
     vocabulary = None
     if (directory / "tokenizer.json").is_file():

@@ -10,18 +10,69 @@ wrong types and out-of-range values are errors naming ``table.key``).
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from probformer.models import registry
 from probformer.models.config import ConfigMixin
 
-__all__ = ["DataConfig", "TrainConfig", "RunConfig", "load", "SOURCES", "TASKS", "SCHEDULES"]
+__all__ = [
+    "DataConfig",
+    "TrainConfig",
+    "RunConfig",
+    "load",
+    "check_model_size",
+    "SOURCES",
+    "TASKS",
+    "SCHEDULES",
+    "MAX_PARAMETERS",
+]
 
 SOURCES = ("ptb", "ewt")  # or a path to a text file / folder
 TASKS = ("mlm", "pos", "lm")
 CAUSAL_MODELS = ("folded_context",)  # the models that may learn next-token prediction
 SCHEDULES = ("linear", "cosine", "constant")
+# Limits far beyond any run this library is for, but below what would exhaust memory or
+# time before the first step: a typo (an extra zero, 1e9 for 1e-3) is refused, naming the key.
+MAX_PARAMETERS = 2_000_000_000  # 8 GB of float32 weights, 32 GB with AdamW's moments
+_DATA_RANGES = {
+    "max_length": (1, 16_384),
+    "vocabulary": (4, 1_000_000),
+    "train_sentences": (0, 100_000_000),
+    "valid_sentences": (0, 100_000_000),
+}
+_TRAIN_RANGES = {
+    "seed": (0, 2**32 - 1),  # seeds are multiplied by ~1e6 and must stay below torch's 2**64
+    "batch_size": (1, 65_536),
+    "warmup_steps": (0, 100_000_000),
+    "epochs": (1, 100_000),
+    "steps": (0, 100_000_000),
+    "eval_every": (0, 100_000_000),
+    "eval_sentences": (0, 100_000_000),
+    "checkpoint_every": (0, 100_000_000),
+    "log_every": (1, 100_000_000),
+    "threads": (0, 1_024),
+}
+_TRAIN_REALS = {"lr": (0.0, 10.0, False), "weight_decay": (0.0, 10.0, True), "clip": (0.0, 1e6, True)}
+
+
+def _check_integer_ranges(config, section: str, ranges: dict[str, tuple[int, int]]) -> None:
+    for name, (low, high) in ranges.items():
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"config key '{section}.{name}' must be an integer in [{low}, {high:,}], got {value!r}")
+
+
+def _check_real_ranges(config, section: str, ranges: dict[str, tuple[float, float, bool]]) -> None:
+    """``(low, high, low allowed)``: finite numbers in the range (NaN and infinities refused)."""
+    for name, (low, high, closed) in ranges.items():
+        value = getattr(config, name)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or not (low <= value if closed else low < value) or value > high:
+            interval = f"{'[' if closed else '('}{low:g}, {high:g}]"
+            raise ValueError(f"config key '{section}.{name}' must be a finite number in {interval}, got {value!r}")
 
 
 @dataclass
@@ -35,12 +86,12 @@ class DataConfig(ConfigMixin):
     mask_rate: float = 0.15  # BERT masking, 80/10/10
 
     def __post_init__(self):
-        self.check_integers({"max_length": 1, "vocabulary": 4, "train_sentences": 0, "valid_sentences": 0})
+        _check_integer_ranges(self, "data", _DATA_RANGES)
         if self.task not in TASKS:
             raise ValueError(f"config key 'data.task' must be one of {list(TASKS)}, got {self.task!r}")
         if self.task == "pos" and self.source != "ewt":
             raise ValueError("config key 'data.task'='pos' needs 'data.source'='ewt' (the treebank with UPOS tags)")
-        if not 0 < self.mask_rate < 1:
+        if isinstance(self.mask_rate, bool) or not 0 < self.mask_rate < 1:
             raise ValueError(f"config key 'data.mask_rate' must lie in (0, 1), got {self.mask_rate!r}")
 
 
@@ -63,24 +114,8 @@ class TrainConfig(ConfigMixin):
     threads: int = 0  # torch threads (0: OMP_NUM_THREADS, else min(2, cores) / processes)
 
     def __post_init__(self):
-        self.check_integers(
-            {
-                "seed": 0,
-                "batch_size": 1,
-                "warmup_steps": 0,
-                "epochs": 1,
-                "steps": 0,
-                "eval_every": 0,
-                "eval_sentences": 0,
-                "checkpoint_every": 0,
-                "log_every": 1,
-                "threads": 0,
-            }
-        )
-        if not self.lr > 0:
-            raise ValueError(f"config key 'train.lr' must be > 0, got {self.lr!r}")
-        if self.weight_decay < 0 or self.clip < 0:
-            raise ValueError("config keys 'train.weight_decay' and 'train.clip' must be >= 0")
+        _check_integer_ranges(self, "train", _TRAIN_RANGES)
+        _check_real_ranges(self, "train", _TRAIN_REALS)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"config key 'train.schedule' must be one of {list(SCHEDULES)}, got {self.schedule!r}")
 
@@ -100,8 +135,6 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> RunConfig:
-        from probformer.training.checkpoint import MODELS
-
         if not isinstance(values, dict):
             raise ValueError("a run config must be a table with [model], [data] and [train]")
         unknown = sorted(set(values) - {"model", "data", "train"})
@@ -109,9 +142,9 @@ class RunConfig:
             raise ValueError(f"unknown config tables {unknown}; allowed: ['data', 'model', 'train']")
         model = values.get("model")
         if not isinstance(model, dict) or "kind" not in model:
-            raise ValueError(f"config table [model] needs 'kind', one of {sorted(MODELS)}")
-        if model["kind"] not in MODELS:
-            raise ValueError(f"config key 'model.kind' must be one of {sorted(MODELS)}, got {model['kind']!r}")
+            raise ValueError(f"config table [model] needs 'kind', one of {sorted(registry.KINDS)}")
+        if model["kind"] not in registry.KINDS:
+            raise ValueError(f"config key 'model.kind' must be one of {sorted(registry.KINDS)}, got {model['kind']!r}")
         for filled in ("vocab_size", "num_classes", "task"):
             if filled in model:
                 raise ValueError(f"config key 'model.{filled}' is set from the data; remove it")
@@ -127,13 +160,12 @@ class RunConfig:
                 f"{list(CAUSAL_MODELS)}, and those models learn only 'lm'; got model.kind={model['kind']!r} "
                 f"with data.task={config.data.task!r}"
             )
-        config.model_config(vocab_size=8, num_classes=2)  # validate the model keys now
+        # validate the model keys now, at the largest vocabulary the data may give
+        check_model_size(config.kind, config.model_config(vocab_size=config.data.vocabulary + 8, num_classes=2))
         return config
 
     def model_config(self, vocab_size: int, num_classes: int = 0):
-        from probformer.training.checkpoint import MODELS
-
-        config_cls, _ = MODELS[self.kind]
+        config_cls, _ = registry.classes(self.kind)
         keys = {k: v for k, v in self.model.items() if k != "kind"}
         keys["vocab_size"] = vocab_size
         if self.data.task == "pos":
@@ -141,6 +173,23 @@ class RunConfig:
         if "max_length" in config_cls.__dataclass_fields__ and "max_length" not in keys:
             keys["max_length"] = self.data.max_length
         return config_cls.from_dict(keys, "model")
+
+
+def check_model_size(kind: str, model_config) -> int:
+    """The parameter count of the model ``model_config`` describes, counted on the meta
+    device (nothing allocated); ``ValueError`` above ``MAX_PARAMETERS``."""
+    import torch
+
+    _, model_cls = registry.classes(kind)
+    with torch.device("meta"):
+        model = model_cls(model_config)
+    count = sum(p.numel() for p in model.parameters())
+    if count > MAX_PARAMETERS:
+        raise ValueError(
+            f"config table [model] describes a {kind} with {count:,} parameters, above the limit of "
+            f"{MAX_PARAMETERS:,}; lower its sizes (or data.vocabulary)"
+        )
+    return count
 
 
 def load(path) -> RunConfig:

@@ -7,13 +7,13 @@ Transformer baselines) and both tasks (MLM, UPOS tagging):
   groups otherwise), linear warm-up then linear/cosine decay or constant, gradient-norm
   clipping, optional bf16 autocast;
 - a tqdm progress bar (loss, tokens/s, ETA), metrics as JSONL, a loss-curve PNG;
-- checkpoints every ``checkpoint_every`` steps: a complete directory
-  ``checkpoints/step-NNNNNNN`` (weights, optimizer state and RNG state as safetensors,
-  counters as JSON) is written under a temporary name and renamed, then the
-  ``checkpoints/latest`` pointer is replaced atomically: a SIGKILL at any moment
-  leaves the last complete checkpoint loadable. Randomness (dropout, masking, data
-  order) is a function of (seed, step, epoch), so ``--resume`` reproduces the
-  uninterrupted run bit for bit on CPU;
+- checkpoints every ``checkpoint_every`` steps and after the last (``checkpointing``:
+  a SIGKILL at any instant leaves the last complete checkpoint loadable); metrics,
+  the loss window and the loss curve in ``run_log``. Randomness (dropout, masking,
+  data order) is a function of (seed, step, epoch), so ``--resume`` reproduces the
+  uninterrupted run's weights and metrics bit for bit on CPU;
+- a non-finite loss or gradient stops the run before the optimiser step, naming the
+  step; the last checkpoint (always finite weights) stays the resume point;
 - data parallel under ``torchrun`` (gloo on CPU, nccl on CUDA): every process draws
   the same global batch and masks, keeps its rows, and the loss is normalised by the
   global count of predicted tokens, so the loss curve equals one process's.
@@ -27,18 +27,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
-from probformer import mup
-from probformer.training import checkpoint, run_config
+from probformer.models import registry
+from probformer.models.mup import param_groups
+from probformer.training import checkpoint, checkpointing, crash_points, run_config
+from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
 from probformer.training.run_config import RunConfig
+from probformer.training.run_log import RunLog
 
 __all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
 
@@ -74,48 +75,6 @@ def evaluate_model(model, examples, task: str, vocab_size: int, mask_rate: float
     return result
 
 
-# ---- checkpoints ----------------------------------------------------------------------
-
-
-def latest_checkpoint(run_dir) -> Path:
-    """The newest complete checkpoint of a run folder (via ``checkpoints/latest``)."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        raise FileNotFoundError(f"{run_dir} has no checkpoint ({pointer} is missing)")
-    path = pointer.parent / pointer.read_text().strip()
-    if not path.is_dir():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which does not exist")
-    return path
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
-def _optimizer_state(optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """AdamW's state as flat tensors (for safetensors; nothing pickled) and its groups."""
-    state = optimizer.state_dict()
-    tensors = {
-        f"optimizer.{index}.{key}": value.detach().contiguous().cpu()
-        for index, slots in state["state"].items()
-        for key, value in slots.items()
-    }
-    return tensors, state["param_groups"]
-
-
-def _load_optimizer_state(optimizer, tensors: dict, groups: list[dict]) -> None:
-    state: dict[int, dict] = {}
-    for name, value in tensors.items():
-        if name.startswith("optimizer."):
-            _, index, key = name.split(".", 2)
-            state.setdefault(int(index), {})[key] = value
-    for group in groups:
-        group["betas"] = tuple(group["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
 # ---- the trainer -------------------------------------------------------------------------
 
 
@@ -129,11 +88,9 @@ class Trainer:
         torch.set_num_threads(config.train.threads or _default_threads(self.world))
 
         # everything that can be wrong is checked before the output folder exists
-        if resume:
-            self.resume_from = latest_checkpoint(self.out)
-            self._check_resumable(json.loads((self.out / "run.json").read_text()))
+        self.resume_from = self._resume_source() if resume else None
         self.corpus = prepare_corpus(config.data)
-        if resume:  # the data must encode exactly as it did for the checkpoint
+        if self.resume_from:  # the data must encode exactly as it did for the checkpoint
             _, saved_vocabulary = checkpoint.load(self.resume_from)
             saved_tags = json.loads((self.resume_from / "training.json").read_text()).get("tags")
             if list(self.corpus.vocabulary.words) != list(saved_vocabulary.words) or self.corpus.tags != saved_tags:
@@ -144,10 +101,11 @@ class Trainer:
                 )
         torch.manual_seed(config.train.seed)
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
-        _, model_cls = checkpoint.MODELS[config.kind]
+        run_config.check_model_size(config.kind, model_config)
+        _, model_cls = registry.classes(config.kind)
         self.model = model_cls(model_config)
         self.parameters = sum(p.numel() for p in self.model.parameters())
-        self.groups = mup.param_groups(self.model, config.train.lr, config.train.weight_decay)
+        self.groups = param_groups(self.model, config.train.lr, config.train.weight_decay)
         for group in self.groups:
             group["initial_lr"] = group["lr"]
         self.optimizer = torch.optim.AdamW(self.groups)
@@ -161,14 +119,13 @@ class Trainer:
         self.total_steps = config.train.steps or config.train.epochs * per_epoch
         self.step = self.epoch = self.batch_in_epoch = self.tokens_seen = 0
         self.elapsed = 0.0
+        self.log = RunLog(self.out / "metrics.jsonl", enabled=self.rank == 0)
         if resume:
             self._restore()
         elif self.rank == 0:
             if (self.out / "checkpoints" / "latest").exists():
                 raise FileExistsError(f"{self.out} already holds a run; pass --resume or choose another --out")
-            self.out.mkdir(parents=True, exist_ok=True)
-            _write_text_atomic(self.out / "run.json", json.dumps(config.to_dict(), indent=1))
-            (self.out / "metrics.jsonl").write_text("")
+            self._create_run_folder()
 
     # -- distributed --
 
@@ -187,7 +144,29 @@ class Trainer:
             dist.all_reduce(value)
         return value
 
-    # -- state --
+    # -- the run folder --
+
+    def _create_run_folder(self) -> None:
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise checkpoint.write_failure(self.out, error) from None
+        checkpointing.write_text_atomic(self.out / "run.json", json.dumps(self.config.to_dict(), indent=1))
+        self.log.create()
+
+    def _resume_source(self) -> Path | None:
+        """The checkpoint to resume from, after checking the run folder and its config;
+        ``None`` for a run killed before its first checkpoint (it starts again)."""
+        if not self.out.is_dir():
+            raise FileNotFoundError(f"--resume: {self.out} does not exist (nothing to resume)")
+        saved = self.out / "run.json"
+        if saved.is_file():
+            self._check_resumable(json.loads(saved.read_text()))
+        elif any(not entry.name.startswith(".") for entry in self.out.iterdir()):
+            raise FileNotFoundError(f"--resume: {self.out} is not a run folder ({saved} is missing)")
+        if not (self.out / "checkpoints" / "latest").is_file():
+            return None
+        return latest_checkpoint(self.out)
 
     def _check_resumable(self, saved: dict) -> None:
         now = self.config.to_dict()
@@ -203,51 +182,33 @@ class Trainer:
                 f"--resume with a different config: {sorted(changed)} changed since {self.out / 'run.json'}"
             )
 
+    # -- state --
+
     def save(self) -> Path:
-        folder = self.out / "checkpoints"
-        name = f"step-{self.step:07d}"
-        temporary = folder / f".{name}.tmp-{os.getpid()}"
-        if temporary.exists():
-            shutil.rmtree(temporary)
-        checkpoint.save(self.model, temporary, self.corpus.vocabulary)
-        tensors, groups = _optimizer_state(self.optimizer)
-        tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(temporary / "training.safetensors"))
         counters = {
             "step": self.step,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "tokens_seen": self.tokens_seen,
             "elapsed": self.elapsed,
-            "param_groups": groups,
             "tags": self.corpus.tags,
+            **self.log.state(),
         }
-        (temporary / "training.json").write_text(json.dumps(counters))
-        final = folder / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(temporary, final)
-        _write_text_atomic(folder / "latest", name)
-        for old in folder.glob("step-*"):  # keep the newest complete checkpoint only
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
-        return final
+        return checkpointing.save_training_checkpoint(
+            self.out, self.step, self.model, self.optimizer, self.corpus.vocabulary, counters
+        )
 
     def _restore(self) -> None:
-        source = self.resume_from
-        model, _ = checkpoint.load(source)
-        self.model.load_state_dict(model.state_dict())
-        counters = json.loads((source / "training.json").read_text())
-        tensors = load_file(str(source / "training.safetensors"))
-        _load_optimizer_state(self.optimizer, tensors, counters["param_groups"])
-        torch.set_rng_state(tensors["rng.torch"])
+        if self.rank == 0:
+            checkpointing.remove_stale_temporaries(self.out)
+        if self.resume_from is None:  # killed before the first checkpoint: start again, in place
+            if self.rank == 0:
+                self._create_run_folder()
+            return
+        counters = checkpointing.restore_training_checkpoint(self.resume_from, self.model, self.optimizer)
         for key in ("step", "epoch", "batch_in_epoch", "tokens_seen", "elapsed"):
             setattr(self, key, counters[key])
-        if self.rank == 0:  # drop metrics logged after the checkpoint (the run was killed)
-            path = self.out / "metrics.jsonl"
-            lines = path.read_text().splitlines() if path.is_file() else []
-            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.step]
-            path.write_text("".join(line + "\n" for line in kept))
+        self.log.restore(counters, self.step)  # drop what was logged after the checkpoint
 
     # -- the loop --
 
@@ -262,17 +223,15 @@ class Trainer:
             return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         return max(0.0, 1.0 - progress)
 
-    def _log(self, record: dict) -> None:
-        if self.rank == 0:
-            with (self.out / "metrics.jsonl").open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
-
     def evaluate(self, limit: int = 0) -> dict:
         examples = self.corpus.valid[:limit] if limit else self.corpus.valid
         task, rate = self.config.data.task, self.config.data.mask_rate
         return evaluate_model(self.model, examples, task, len(self.corpus.vocabulary), rate)
 
     def train_step(self, examples) -> tuple[float, int]:
+        """One optimiser step; ``(mean loss, tokens)``. A non-finite loss or gradient norm
+        raises ``FloatingPointError`` before the step, so the weights stay good. Both are
+        read in the one host synchronisation the step always had (the logged loss)."""
         train, task = self.config.train, self.config.data.task
         torch.manual_seed(train.seed * 1_000_003 + self.step)  # dropout: a function of the step
         masks = torch.Generator().manual_seed(train.seed * 7_919 + self.step)
@@ -293,12 +252,33 @@ class Trainer:
         # DDP averages gradients over processes: scale so the result is the global mean
         objective = loss_sum * self.world / max(count, 1)
         (objective if extra is None else objective + extra).backward()
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
         if train.clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.clip)
+            norm = torch.nn.utils.clip_grad_norm_(parameters, train.clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        total = self._all_sum(loss_sum.detach().clone())
+        loss_total, grad_norm = torch.stack([total, norm.to(total)]).tolist()
+        loss = loss_total / max(count, 1)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(self._non_finite_message(loss, grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        total = self._all_sum(loss_sum.detach().clone())
-        return total.item() / max(count, 1), int(mask.sum())
+        return loss, int(mask.sum())
+
+    def _non_finite_message(self, loss: float, grad_norm: float) -> str:
+        pointer = self.out / "checkpoints" / "latest"
+        kept = (
+            f"the last good checkpoint, {pointer.parent / pointer.read_text().strip()}, is kept (--resume continues "
+            "from it)"
+            if self.rank == 0 and pointer.is_file()
+            else "no checkpoint was written yet"
+        )
+        return (
+            f"training stopped at step {self.step + 1}: the loss is {loss} and the gradient norm {grad_norm} "
+            f"(not finite); the weights were not updated and {kept}; lower train.lr or check the data"
+        )
 
     def run(self) -> dict:
         from tqdm.auto import tqdm
@@ -315,7 +295,6 @@ class Trainer:
             total=self.total_steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True
         )
         started, tokens_at_start = time.perf_counter() - self.elapsed, self.tokens_seen
-        window_loss, window_steps, last_eval = 0.0, 0, None
         while self.step < self.total_steps:
             order = epoch_order(self.lengths, train.batch_size, train.seed, self.epoch)
             if self.batch_in_epoch >= len(order):
@@ -323,38 +302,29 @@ class Trainer:
                 continue
             indices = order[self.batch_in_epoch]
             loss, tokens = self.train_step([self.corpus.train[i] for i in indices])
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"training loss became {loss} at step {self.step}; lower train.lr")
+            crash_points.reached("step")
             self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
             self.tokens_seen += tokens
             self.elapsed = time.perf_counter() - started
-            window_loss, window_steps = window_loss + loss, window_steps + 1
+            self.log.add_loss(loss)
             speed = (self.tokens_seen - tokens_at_start) / max(self.elapsed, 1e-9)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed:.0f}")
             if self.step % train.log_every == 0 or self.step == self.total_steps:
-                self._log(
-                    {
-                        "step": self.step,
-                        "split": "train",
-                        "loss": window_loss / window_steps,
-                        "lr": self.optimizer.param_groups[0]["lr"],
-                        "tokens": self.tokens_seen,
-                        "tokens_per_second": speed,
-                        "elapsed": self.elapsed,
-                    }
+                lr = self.optimizer.param_groups[0]["lr"]
+                self.log.log_train(
+                    self.step, lr=lr, tokens=self.tokens_seen, tokens_per_second=speed, elapsed=self.elapsed
                 )
-                window_loss, window_steps = 0.0, 0
             if (
                 self.rank == 0
                 and train.eval_every
                 and self.step % train.eval_every == 0
                 and self.step < self.total_steps
             ):
-                last_eval = self.evaluate(train.eval_sentences)
-                self._log({"step": self.step, "split": "valid", **last_eval})
+                metrics = self.evaluate(train.eval_sentences)
+                self.log.write({"step": self.step, "split": "valid", **metrics})
                 if self.progress:
-                    bar.write(f"step {self.step}: validation {_describe(last_eval)}")
+                    bar.write(f"step {self.step}: validation {_describe(metrics)}")
                 self.plot()
             if self.rank == 0 and (
                 (train.checkpoint_every and self.step % train.checkpoint_every == 0) or self.step == self.total_steps
@@ -363,52 +333,39 @@ class Trainer:
         bar.close()
         summary = {}
         if self.rank == 0:
-            final = self.evaluate()
-            self._log({"step": self.step, "split": "valid", "final": True, **final})
-            self.plot()
-            self.save()
-            checkpoint.save(self.model, self.out / "model", self.corpus.vocabulary)
-            if self.corpus.tags:
-                _write_text_atomic(self.out / "model" / "tags.json", json.dumps(self.corpus.tags))
-            summary = {
-                "kind": self.config.kind,
-                "parameters": self.parameters,
-                "steps": self.step,
-                "tokens": self.tokens_seen,
-                "seconds": self.elapsed,
-                "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9),
-                "valid": final,
-            }
-            _write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
-            if self.progress:
-                print(f"validation {_describe(final)}; model in {self.out / 'model'}", flush=True)
+            summary = self._finish()
         if self.world > 1:
             import torch.distributed as dist
 
             dist.barrier()
         return summary
 
+    def _finish(self) -> dict:
+        """After the last step (whose checkpoint is written): the final validation line,
+        the model folder, the summary. No second checkpoint: the final line is not part
+        of any checkpoint, so a resume after a kill here logs it again exactly once."""
+        final = self.evaluate()
+        self.log.write({"step": self.step, "split": "valid", "final": True, **final})
+        crash_points.reached("final:logged")
+        self.plot()
+        checkpointing.save_final_model(self.out, self.model, self.corpus.vocabulary, self.corpus.tags)
+        crash_points.reached("final:model")
+        summary = {
+            "kind": self.config.kind,
+            "parameters": self.parameters,
+            "steps": self.step,
+            "tokens": self.tokens_seen,
+            "seconds": self.elapsed,
+            "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9),
+            "valid": final,
+        }
+        checkpointing.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
+        if self.progress:
+            print(f"validation {_describe(final)}; model in {self.out / 'model'}", flush=True)
+        return summary
+
     def plot(self) -> Path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        records = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines() if line]
-        figure, axis = plt.subplots(figsize=(6, 3.5))
-        for split, style in (("train", "-"), ("valid", "o-")):
-            points = [(r["step"], r["loss"]) for r in records if r["split"] == split]
-            if points:
-                axis.plot(*zip(*points), style, label=split)
-        axis.set_xlabel("step")
-        axis.set_ylabel("loss (nats per predicted token)")
-        axis.set_title(f"{self.config.kind} ({self.parameters / 1e6:.2f}M parameters)")
-        axis.legend()
-        figure.tight_layout()
-        path = self.out / "loss.png"
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        return path
+        return self.log.plot(f"{self.config.kind} ({self.parameters / 1e6:.2f}M parameters)")
 
 
 def _default_threads(world: int) -> int:

@@ -1,0 +1,181 @@
+"""A run's checkpoints: save, restore and the ``checkpoints/latest`` pointer.
+
+    checkpoints/latest          the name of the newest complete checkpoint
+    checkpoints/step-NNNNNNN/   a model checkpoint (``checkpoint.save``) plus
+                                training.safetensors (AdamW moments, RNG state) and
+                                training.json (counters, optimizer groups, log state)
+
+Crash safety rests on one rule: **nothing that ``latest`` points to is ever removed
+or changed**. A checkpoint is written completely under a temporary name, renamed to
+its final name, the pointer is replaced by an atomic rename, and only then are older
+checkpoints pruned. A SIGKILL at any instant leaves ``latest`` naming a complete
+checkpoint (or no pointer at all, before the first one). A failed write (disk full,
+permission denied) removes the temporary folder and raises one ``WriteError`` naming
+the path; the pointer still names the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from probformer.training import checkpoint, crash_points
+from probformer.training.checkpoint import WriteError, write_failure
+
+__all__ = [
+    "latest_checkpoint",
+    "save_training_checkpoint",
+    "restore_training_checkpoint",
+    "save_final_model",
+    "remove_stale_temporaries",
+    "write_text_atomic",
+    "WriteError",
+]
+
+
+def latest_checkpoint(run_dir) -> Path:
+    """The newest complete checkpoint of a run folder (via ``checkpoints/latest``)."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        raise FileNotFoundError(f"{run_dir} has no checkpoint ({pointer} is missing)")
+    path = pointer.parent / pointer.read_text().strip()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which does not exist")
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise write_failure(path, error) from None
+
+
+def _pointed_name(folder: Path) -> str | None:
+    pointer = folder / "latest"
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(run_dir) -> None:
+    """Remove what a killed process left half-written: ``.NAME.tmp-PID`` files and
+    folders and ``.model.old-PID`` in the run folder and its ``checkpoints``."""
+    for folder in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        if folder.is_dir():
+            for stale in [*folder.glob(".*.tmp-*"), *folder.glob(".*.old-*")]:
+                _remove(stale)
+
+
+def _optimizer_state(optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """AdamW's state as flat tensors (for safetensors; nothing pickled) and its groups."""
+    state = optimizer.state_dict()
+    tensors = {
+        f"optimizer.{index}.{key}": value.detach().contiguous().cpu()
+        for index, slots in state["state"].items()
+        for key, value in slots.items()
+    }
+    return tensors, state["param_groups"]
+
+
+def _load_optimizer_state(optimizer, tensors: dict, groups: list[dict]) -> None:
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+    for group in groups:
+        group["betas"] = tuple(group["betas"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def save_training_checkpoint(run_dir, step: int, model, optimizer, vocabulary, counters: dict) -> Path:
+    """Write ``checkpoints/step-<step>`` (model, optimizer, RNG state, ``counters``), move
+    ``latest`` to it and prune the older ones. Refuses (``FloatingPointError``, nothing
+    written) a model with non-finite parameters, so ``latest`` always names good weights."""
+    folder = Path(run_dir) / "checkpoints"
+    name = f"step-{step:07d}"
+    final = folder / name
+    if _pointed_name(folder) == name:
+        # already the latest: the state after a given step is a function of the step
+        # (exact resume), and what ``latest`` names is never replaced
+        return final
+    checkpoint.check_finite(checkpoint._unique_state(model), f"parameters after step {step}")
+    temporary = folder / f".{name}.tmp-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _remove(temporary)
+        checkpoint.save(model, temporary, vocabulary)
+        crash_points.reached("save:weights")
+        tensors, groups = _optimizer_state(optimizer)
+        tensors["rng.torch"] = torch.get_rng_state()
+        save_file(tensors, str(temporary / "training.safetensors"))
+        (temporary / "training.json").write_text(json.dumps({**counters, "param_groups": groups}))
+        crash_points.reached("save:temporary")
+        if final.exists():  # complete but never pointed to: a killed run's, safe to replace
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+    except (OSError, SafetensorError) as error:
+        _remove(temporary)
+        raise write_failure(final, error) from None
+    crash_points.reached("save:renamed")
+    write_text_atomic(folder / "latest", name)
+    crash_points.reached("save:pointer")
+    for old in folder.iterdir():  # keep the newest complete checkpoint only
+        if old.name not in (name, "latest"):
+            _remove(old)
+    return final
+
+
+def restore_training_checkpoint(source: Path, model, optimizer) -> dict:
+    """Load ``source`` (from ``latest_checkpoint``) into ``model`` and ``optimizer``, set
+    the RNG state; the counters saved with it."""
+    saved, _ = checkpoint.load(source)
+    model.load_state_dict(saved.state_dict())
+    counters = json.loads((source / "training.json").read_text())
+    path = source / "training.safetensors"
+    try:
+        tensors = load_file(str(path))
+    except Exception as error:  # safetensors raises its own errors on truncated or foreign files
+        raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+    _load_optimizer_state(optimizer, tensors, counters["param_groups"])
+    torch.set_rng_state(tensors["rng.torch"])
+    return counters
+
+
+def save_final_model(run_dir, model, vocabulary, tags: list[str] | None) -> Path:
+    """Write the run's ``model/`` folder (a plain checkpoint, plus ``tags.json``) under a
+    temporary name, then swap it in: a reader never sees a half-written model."""
+    run_dir = Path(run_dir)
+    final = run_dir / "model"
+    temporary, old = run_dir / f".model.tmp-{os.getpid()}", run_dir / f".model.old-{os.getpid()}"
+    try:
+        _remove(temporary)
+        checkpoint.save(model, temporary, vocabulary)
+        if tags:
+            (temporary / "tags.json").write_text(json.dumps(tags))
+        if final.exists():
+            os.replace(final, old)
+        os.replace(temporary, final)
+    except (OSError, SafetensorError) as error:
+        _remove(temporary)
+        if old.exists() and not final.exists():
+            os.replace(old, final)
+        raise write_failure(final, error) from None
+    _remove(old)
+    return final
