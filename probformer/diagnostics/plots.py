@@ -8,7 +8,9 @@ __all__ = ["plot_report"]
 
 
 def plot_report(data, directory) -> list[str]:
-    """Write ess.png, pareto_k.png, diversity.png (and elbo.png) of a ``report``; returns the paths."""
+    """Write the figures of a ``report`` that has the groups they need: ess.png (attention),
+    pareto_k.png (attention or SMC weights), diversity.png (always), elbo.png (mean field),
+    routing.png (clusters); returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,19 +42,25 @@ def plot_report(data, directory) -> list[str]:
             ax.plot(layers, array[:, head], marker="o", alpha=0.6, label=f"head {head}")
         ax.set(title=title, xlabel="layer", ylabel=ylabel)
 
-    ess_group = data["ess"]
-    figure(
-        "ess", lambda ax: per_head(ax, ess_group["columns"].values, "ESS of attention received / n", "normalised ESS")
-    )
-    k = data["pareto_k"]
+    groups = data.groups()
+    ess_group = data["ess"] if "ess" in groups else {}
+    if "columns" in ess_group:
+        figure(
+            "ess",
+            lambda ax: per_head(ax, ess_group["columns"].values, "ESS of attention received / n", "normalised ESS"),
+        )
+    k = data["pareto_k"] if "pareto_k" in groups else {}
 
     def draw_k(ax):
-        per_head(ax, k["attention_mass"].values, "Pareto k-hat of attention mass", "k-hat")
+        if "attention_mass" in k:
+            per_head(ax, k["attention_mass"].values, "Pareto k-hat of attention mass", "k-hat")
         if "log_weights" in k:
             ax.plot(k["log_weights"].values, "k-", linewidth=2, label="SMC log-weights")
+            ax.set(title="Pareto k-hat", xlabel="layer", ylabel="k-hat")
         ax.axhline(k.attrs.get("pareto_k_threshold", 0.7), color="red", linestyle="--", label="threshold")
 
-    figure("pareto_k", draw_k)
+    if k:
+        figure("pareto_k", draw_k)
     div = data["diversity"]
 
     def draw_diversity(ax):
@@ -65,12 +73,20 @@ def plot_report(data, directory) -> list[str]:
         twin.legend(loc="upper right", fontsize=7)
 
     figure("diversity", draw_diversity)
-    if "elbo" in data.groups():
+    if "elbo" in groups:
         figure(
             "elbo",
             lambda ax: (
                 ax.plot(data["elbo"]["elbo"].values, marker="o"),
                 ax.set(title="mean-field ELBO", xlabel="iteration", ylabel="ELBO"),
+            ),
+        )
+    if "routing" in groups:
+        figure(
+            "routing",
+            lambda ax: (
+                ax.plot(data["routing"]["cluster_ess"].values, marker="o"),
+                ax.set(title="ESS of cluster occupancy / clusters", xlabel="layer", ylabel="normalised ESS"),
             ),
         )
     return written

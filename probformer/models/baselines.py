@@ -82,9 +82,27 @@ class Transformer(nn.Module):
         return self.head(self.final_norm(x), mask), torch.stack(hidden)
 
     def diagnostic_trace(self, tokens, mask=None) -> dict:
-        """Per-layer hidden states (for the diversity diagnostics)."""
-        _, hidden = self(tokens, mask)
-        return {"hidden": hidden}
+        """The diagnostics protocol (``probformer.diagnostics.report``): per layer the token
+        states ``hidden [L, B, n, width]`` and the attention ``[L, B, heads, n, n]``. Hooks
+        ask each block call for its materialised attention probabilities, so the forward
+        pass runs as it is (a weight-tied block is called once per layer)."""
+        attention = []
+
+        def materialise(block, args):
+            return (*args[:2], True)  # Block.forward(x, key_bias, return_attention=True)
+
+        def keep(block, args, output):
+            attention.append(output[1])
+
+        handles = []
+        for block in self.blocks:
+            handles += [block.register_forward_pre_hook(materialise), block.register_forward_hook(keep)]
+        try:
+            _, hidden = self(tokens, mask)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {"hidden": hidden, "attention": torch.stack(attention)}
 
 
 def parameter_count(config: TransformerConfig) -> int:

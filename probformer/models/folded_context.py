@@ -144,6 +144,13 @@ class FoldedContext(nn.Module):
         hidden = self.final_norm(torch.cat(outputs, 1)[:, :L])
         return self.decoder(hidden), hidden
 
+    def diagnostic_trace(self, tokens, mask=None) -> dict:
+        """The diagnostics protocol (``probformer.diagnostics.report``): the final token
+        states as one layer, ``hidden [1, B, L, width]``. The attention runs segment by
+        segment against a memory and is never materialised: the report has no ESS."""
+        _, hidden = self(tokens, mask)
+        return {"hidden": hidden[None]}
+
     def _windowed(self, tokens, mask):
         x, bias = self._embed(tokens), self._bias(mask)
         for block in [*self.local_blocks, *self.global_blocks]:

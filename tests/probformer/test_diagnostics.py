@@ -223,6 +223,153 @@ def test_report_has_every_group_and_plots_are_written(kind, tmp_path):
     report.to_netcdf(str(tmp_path / "report.nc"))
 
 
+def build(kind: str, vocab: int = 30):
+    import probformer as pf
+    from probformer.models.baselines import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=vocab, width=16, heads=2, ffn_width=32)
+    return {
+        "pt": lambda: pf.ProbabilisticTransformer(pf.PTConfig(vocab_size=vocab, labels=8, channels=2, rank=2)),
+        "particle": lambda: pf.ParticleTransformer(pf.ParticleConfig(layers=3, **small)),
+        "transformer": lambda: Transformer(TransformerConfig(layers=2, **small)),
+        "swarm": lambda: pf.SwarmFormer(pf.SwarmConfig(layers=3, clusters=4, **small)),
+        "folded": lambda: pf.FoldedContext(pf.FoldedContextConfig(segment=4, **small)),
+    }[kind]()
+
+
+# what each kind's trace offers, hence its report's groups and variables (report.py's table)
+OFFERED = {
+    "pt": {"ess": {"rows", "columns"}, "pareto_k": {"attention_mass"}, "elbo": {"elbo"}},
+    "particle": {"ess": {"rows", "columns", "log_weights"}, "pareto_k": {"attention_mass", "log_weights"}},
+    "transformer": {"ess": {"rows", "columns"}, "pareto_k": {"attention_mass"}},
+    "swarm": {"routing": {"cluster_ess"}},
+    "folded": {},
+}
+CASES = {
+    "length 1": (torch.tensor([[3], [7]]), None),
+    "padded": (torch.arange(12).view(2, 6), torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0]], dtype=torch.bool)),
+    "normal": (torch.arange(24).view(3, 8) % 30, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", list(OFFERED))
+def test_report_works_on_every_kind_length_one_and_padding(kind, case, tmp_path):
+    model = build(kind)
+    tokens, mask = CASES[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to measure is NaN, silently and by design
+        report = diagnostics.report(model, tokens, mask)
+    expected = {"diversity": {"cosine", "effective_rank", "rank_one_distance"}} | OFFERED[kind]
+    assert {g: set(report[g].data_vars) for g in report.groups()} == expected
+    layers = report["diversity"].sizes["layer"]
+    assert layers == {"pt": 5, "particle": 3, "transformer": 2, "swarm": 3, "folded": 1}[kind]
+    if case == "length 1":  # one token: it is all its sentence's diversity, and all its own attention
+        assert report["diversity"]["effective_rank"].values == pytest.approx([1.0] * layers)
+        assert report["diversity"]["cosine"].values == pytest.approx([1.0] * layers)
+        if kind in ("particle", "transformer"):  # its only key is itself: ESS 1 of 1
+            assert report["ess"]["rows"].values == pytest.approx(np.ones((layers, 2)))
+            assert report["ess"]["columns"].values == pytest.approx(np.ones((layers, 2)))
+        if kind == "pt":  # the full topology gives a lone token no head: nothing to measure
+            assert np.isnan(report["ess"]["rows"].values).all() and np.isnan(report["ess"]["columns"].values).all()
+    elif "ess" in report.groups():
+        for name in ("rows", "columns"):
+            values = report["ess"][name].values
+            assert np.all((values > 0) & (values <= 1 + 1e-9)), (name, values)
+    paths = diagnostics.plot_report(report, tmp_path)
+    assert {p.split("/")[-1] for p in paths} == {"diversity.png"} | {
+        "pt": {"ess.png", "pareto_k.png", "elbo.png"},
+        "particle": {"ess.png", "pareto_k.png"},
+        "transformer": {"ess.png", "pareto_k.png"},
+        "swarm": {"routing.png"},
+        "folded": set(),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["pt", "transformer", "swarm", "folded"])
+def test_padding_does_not_change_the_report(kind):
+    """A sentence alone and the same sentence padded: the same numbers."""
+    model = build(kind)
+    sentence = torch.tensor([[4, 9, 2, 7, 1]])
+    alone = diagnostics.report(model, sentence)
+    padded = diagnostics.report(
+        model, torch.cat([sentence, torch.zeros(1, 3, dtype=torch.long)], 1), torch.arange(8)[None] < 5
+    )
+    for group in alone.groups():
+        for name in alone[group].data_vars:
+            np.testing.assert_allclose(padded[group][name].values, alone[group][name].values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("universal", [False, True])
+def test_transformer_trace_is_its_forward_with_attention(universal):
+    """The hooks that materialise the attention change nothing and leave nothing behind."""
+    from probformer.models.baselines import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(vocab_size=30, width=16, heads=2, layers=3, universal=universal)).eval()
+    tokens, mask = torch.randint(0, 30, (2, 6)), torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    trace = model.diagnostic_trace(tokens, mask)
+    torch.testing.assert_close(trace["hidden"], model(tokens, mask)[1], rtol=1e-5, atol=1e-5)
+    attention = trace["attention"]
+    assert attention.shape == (3, 2, 2, 6, 6)
+    torch.testing.assert_close(attention.sum(-1), torch.ones(3, 2, 2, 6))
+    assert (attention[:, 1, :, :, 3:] == 0).all()  # padded keys get nothing
+    assert all(not block._forward_hooks and not block._forward_pre_hooks for block in model.blocks)
+
+
+class HandMade(torch.nn.Module):
+    """A trace written by hand, for oracle checks of the report's arithmetic."""
+
+    def __init__(self, trace):
+        super().__init__()
+        self.trace = trace
+
+    def diagnostic_trace(self, tokens, mask):
+        return self.trace
+
+
+def test_report_numbers_equal_a_hand_computation():
+    # one layer, two heads, two sentences of lengths 3 and 2 (padded to 3)
+    attention = torch.zeros(1, 2, 2, 3, 3, dtype=torch.float64)
+    attention[0, 0, 0] = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0], [0.25, 0.75, 0.0]])
+    attention[0, 0, 1] = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5], [0.5, 0.5, 0.0]])
+    attention[0, 1, 0] = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.3, 0.3, 0.4]])  # row 2: padding
+    attention[0, 1, 1] = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # token 0: no head
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    log_weights = torch.tensor([[[0.0, 0.0, math.log(2.0)], [0.0, 1e30, 123.0]]], dtype=torch.float64)
+    assignment = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+    trace = {
+        "hidden": torch.randn(1, 2, 3, 4, dtype=torch.float64),
+        "attention": attention,
+        "log_weights": log_weights,
+        "elbo": torch.tensor([[-3.0, -5.0], [-2.0, -4.0]]),
+        "routing": [{"assignment": assignment}],
+    }
+    report = diagnostics.report(HandMade(trace), torch.zeros(2, 3, dtype=torch.long), mask)
+
+    def by_hand(weights):
+        return sum(weights) ** 2 / sum(w * w for w in weights)
+
+    lengths = [3, 2]
+    rows, columns = np.zeros(2), np.zeros(2)
+    for head in range(2):
+        per_sentence_rows, per_sentence_columns = [], []
+        for b, n in enumerate(lengths):
+            a = attention[0, b, head, :n, :n].tolist()
+            measured = [by_hand(row) / n for row in a if sum(row) > 0]
+            per_sentence_rows.append(sum(measured) / len(measured))
+            per_sentence_columns.append(by_hand([sum(a[i][j] for i in range(n)) for j in range(n)]) / n)
+        rows[head], columns[head] = np.mean(per_sentence_rows), np.mean(per_sentence_columns)
+    np.testing.assert_allclose(report["ess"]["rows"].values[0], rows, rtol=1e-12)
+    np.testing.assert_allclose(report["ess"]["columns"].values[0], columns, rtol=1e-12)
+    # SMC weights: sentence 0 is (1, 1, 2) -> ESS 16 / 6 of 3; sentence 1 keeps its real (1e30, 0): ESS 1 of 2
+    assert report["ess"]["log_weights"].values[0] == pytest.approx(((16 / 6) / 3 + 1 / 2) / 2, rel=1e-12)
+    assert report["elbo"]["elbo"].values.tolist() == [-4.0, -3.0]
+    # clusters hold (2, 1) real tokens in sentence 0 and (2, 0) in sentence 1 (its third token is padding)
+    assert report["routing"]["cluster_ess"].values[0] == pytest.approx((by_hand([2, 1]) / 2 + 1 / 2) / 2)
+
+
 def test_report_needs_the_protocol():
     with pytest.raises(TypeError, match="does not offer diagnostic_trace"):
         diagnostics.report(torch.nn.Linear(2, 2), torch.zeros(1, 2, dtype=torch.long))
