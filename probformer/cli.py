@@ -42,13 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path} ({args.format}); its logits match the checkpoint's within {deploy.TOLERANCE:g}")
         return 0
     if args.command == "train":
-        from pathlib import Path
-
-        from probformer.training.trainer import train as run_training
-
-        out = args.out or str(Path("runs") / Path(args.config).stem)
-        run_training(args.config, out, resume=args.resume)
-        return 0
+        return run_train(args.config, args.out, args.resume)
     if args.command == "evaluate":
         from probformer.training import evaluate as evaluation
 
@@ -63,6 +57,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "diagnose":
         return run_diagnose(args.checkpoint, args.data, args.out, args.sentences)
     return 2
+
+
+def run_train(config_path: str, out: str | None, resume: bool) -> int:
+    """``probformer train``: the whole config is validated (tables, keys, ranges, the
+    model config and its size) before any folder is created; a bad config, bad data, a
+    failed write or a non-finite loss ends with one line on stderr, not a traceback."""
+    import sys
+    from pathlib import Path
+
+    from probformer.training import run_config
+    from probformer.training.checkpoint import WriteError
+    from probformer.training.trainer import train as run_training
+
+    try:
+        config = run_config.load(config_path)
+        run_training(config, out or str(Path("runs") / Path(config_path).stem), resume=resume)
+    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError, WriteError) as error:
+        print(f"probformer train: error: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def read_sentences(data: str) -> list[list[str]]:
