@@ -179,8 +179,9 @@ class MeanField(nn.Module):
         memory_topk: int = 32,
     ):
         super().__init__()
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-            raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or not 1 <= iterations <= 10_000:
+            # each iteration is a layer: 10**4 is already far deeper than any model we train
+            raise ValueError(f"iterations must be an integer >= 1 and <= 10000 (the limit), got {iterations!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; allowed: {list(SCHEDULES)}")
         if kernel not in KERNELS:
