@@ -68,12 +68,9 @@ def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
     pos = torch.arange(n)
     offset = pos[None, :] - pos[:, None]
     clipped = offset.abs().clamp(max=gamma + 1)
-    token_groups = torch.where(offset > 0, clipped - 1, gamma + clipped)
-    token_groups.fill_diagonal_(0)
-    size = n + extra_nodes
-    groups = torch.full((size, size), 2 * (gamma + 1), dtype=torch.long)
-    groups[:n, :n] = token_groups
-    return groups
+    token_groups = torch.where(offset > 0, clipped - 1, gamma + clipped).masked_fill(offset == 0, 0)
+    # out-of-place ops only: a traced (exported) length stays symbolic
+    return torch.nn.functional.pad(token_groups, (0, extra_nodes, 0, extra_nodes), value=2 * (gamma + 1))
 
 
 class CRF(nn.Module):

@@ -66,8 +66,8 @@ class Topology:
         """Boolean ``[n + m, n + m]``: ``mask[i, j]`` iff node i may take node j as head."""
         n = _check_length(n)
         arcs = self.build(n)
-        arcs.fill_diagonal_(False)
-        return arcs
+        nodes = torch.arange(arcs.shape[0], device=arcs.device)
+        return arcs & (nodes[:, None] != nodes[None, :])  # no self-arcs; out of place, so export keeps n symbolic
 
     def graph(self, n: int):
         """The arcs as a networkx DiGraph (edge i -> j: i may choose j as head); nodes carry
@@ -91,12 +91,12 @@ class Topology:
         def build(n: int) -> torch.Tensor:
             a, b = left.build(n), right.build(n)
             ma, mb = left.extra_nodes, right.extra_nodes
-            out = torch.zeros(n + ma + mb, n + ma + mb, dtype=torch.bool)
-            out[: n + ma, : n + ma] = a
-            # b's virtual nodes sit after a's: tokens keep indices 0..n-1.
-            b_index = torch.cat([torch.arange(n), torch.arange(n + ma, n + ma + mb)])
-            out[b_index[:, None], b_index[None, :]] |= b
-            return out
+            # b's virtual nodes sit after a's: tokens keep indices 0..n-1. Built by
+            # concatenation, not index assignment, so a traced length stays symbolic.
+            gap_rows, gap = b.new_zeros(ma, n + ma + mb), b.new_zeros(n + mb, ma)
+            b_cols = torch.cat([b[:, :n], gap, b[:, n:]], 1)  # [n + mb, N]
+            b_spread = torch.cat([b_cols[:n], gap_rows, b_cols[n:]], 0)
+            return torch.nn.functional.pad(a, (0, mb, 0, mb)) | b_spread
 
         band = None
         if left.band is not None and right.band is not None:  # nested bands: the union is a band
@@ -108,6 +108,8 @@ class Topology:
 
 
 def _check_length(n) -> int:
+    if isinstance(n, torch.SymInt):  # a symbolic length while tracing for export: checked at run time
+        return n
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"sentence length n must be an integer >= 1, got {n!r}")
     return n
@@ -117,6 +119,12 @@ def _check_positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+def _positions(size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column indices ``[size, 1]`` and ``[1, size]`` of a ``[size, size]`` mask."""
+    pos = torch.arange(size)
+    return pos[:, None], pos[None, :]
 
 
 def _offsets(n: int) -> torch.Tensor:
@@ -149,13 +157,12 @@ def star(wrap: bool = False) -> Topology:
     """
 
     def build(n: int) -> torch.Tensor:
-        out = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        out[:n, :n] = _offsets(n).abs() == 1
-        if wrap and n > 2:
-            out[0, n - 1] = out[n - 1, 0] = True
-        out[:n, n] = True  # tokens -> relay
-        out[n, :n] = True  # relay -> tokens
-        return out
+        i, j = _positions(n + 1)
+        tokens = (i < n) & (j < n)
+        ring = tokens & ((j - i).abs() == 1)
+        if wrap:  # first <-> last (for n <= 2 these are neighbours or self-arcs already)
+            ring = ring | (tokens & ((j - i).abs() == n - 1))
+        return ring | ((i < n) & (j == n)) | ((i == n) & (j < n))  # tokens <-> relay
 
     return Topology(f"star(wrap={wrap})", ("relay",), build, None if wrap else (1, 1))
 
@@ -165,9 +172,8 @@ def root() -> Topology:
     head; ROOT chooses none. Compose it with a token topology, e.g. ``full() | root()``."""
 
     def build(n: int) -> torch.Tensor:
-        out = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        out[:n, n] = True
-        return out
+        i, j = _positions(n + 1)
+        return (i < n) & (j == n)
 
     return Topology("root()", ("root",), build, (0, 0))
 
