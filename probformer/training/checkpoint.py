@@ -29,7 +29,15 @@ FORMAT = "probformer-checkpoint/1"
 
 class WriteError(OSError):
     """A file of a checkpoint or run folder could not be written (disk full, permission
-    denied, ...): the message names the path and the reason."""
+    denied, ...): the message names the path and the reason; ``errno``, ``filename``
+    (the file that failed) and ``reason`` as the OS gave them."""
+
+    def __init__(self, message: str, errno: int | None = None, filename=None, reason: str = ""):
+        super().__init__(message)
+        self.message, self.errno, self.filename, self.reason = message, errno, filename, reason
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def write_failure(path, error: BaseException) -> WriteError:
@@ -42,9 +50,7 @@ def write_failure(path, error: BaseException) -> WriteError:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         culprit = getattr(error, "filename", None)
     where = f" (at {culprit})" if culprit and str(culprit) != str(path) else ""
-    failure = WriteError(f"cannot write {path}: {reason}{where}")
-    failure.errno, failure.filename, failure.reason = getattr(error, "errno", None), culprit, reason
-    return failure
+    return WriteError(f"cannot write {path}: {reason}{where}", getattr(error, "errno", None), culprit, reason)
 
 
 class _Models(Mapping):

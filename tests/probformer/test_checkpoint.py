@@ -1,4 +1,7 @@
 import json
+import shutil
+import subprocess
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -48,3 +51,91 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
         checkpoint.load(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="cannot checkpoint a Linear"):
         checkpoint.save(torch.nn.Linear(2, 2), tmp_path / "x")
+
+
+# ---- non-finite weights and failed writes ----------------------------------------------
+
+
+@contextmanager
+def unwritable(folder):
+    """``folder``, created and made unwritable: read-only permissions, or (for root, whom
+    permissions do not stop) the immutable attribute; skips where neither works."""
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o555)
+    immutable = False
+    try:
+        try:
+            (folder / ".probe").touch()
+        except OSError:
+            pass
+        else:  # root: permissions do not apply
+            (folder / ".probe").unlink()
+            chattr = shutil.which("chattr")
+            immutable = (
+                bool(chattr) and subprocess.run([chattr, "+i", str(folder)], capture_output=True).returncode == 0
+            )
+            if not immutable:
+                pytest.skip("cannot make a folder unwritable here (root, no chattr +i)")
+        yield folder
+    finally:
+        if immutable:
+            subprocess.run([shutil.which("chattr"), "-i", str(folder)], check=True)
+        folder.chmod(0o755)
+
+
+SMALL = {
+    "probabilistic_transformer": {"vocab_size": 20, "labels": 8, "channels": 2, "rank": 2, "iterations": 2},
+    "particle_transformer": {"vocab_size": 20, "width": 16, "heads": 2, "layers": 2, "ffn_width": 32},
+    "transformer": {"vocab_size": 20, "width": 16, "heads": 2, "layers": 2, "ffn_width": 32},
+    "swarmformer": {"vocab_size": 20, "width": 16, "heads": 2, "layers": 2, "ffn_width": 32, "clusters": 4},
+    "folded_context": {"vocab_size": 20, "width": 16, "heads": 2, "ffn_width": 32, "segment": 4},
+}
+
+
+def test_every_model_kind_is_in_the_table():
+    from probformer.models import registry
+
+    assert sorted(SMALL) == sorted(registry.KINDS) == sorted(checkpoint.MODELS)
+
+
+@pytest.mark.parametrize("kind", sorted(SMALL))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_load_refuses_non_finite_weights_naming_the_tensor(tmp_path, kind, bad):
+    from probformer.models import registry
+
+    torch.manual_seed(0)
+    model = registry.build(kind, SMALL[kind])
+    name, tensor = next((n, t) for n, t in checkpoint._unique_state(model).items() if t.is_floating_point())
+    checkpoint.save(model, tmp_path)
+    assert isinstance(checkpoint.load(tmp_path)[0], type(model))  # finite: loads
+    with torch.no_grad():
+        tensor.view(-1)[-1] = bad
+    checkpoint.save(model, tmp_path)
+    with pytest.raises(ValueError, match=f"tensor '{name}' holds non-finite values"):
+        checkpoint.load(tmp_path)
+
+
+def test_disk_full_during_save_is_one_error_naming_the_path_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    model = next(models())
+
+    def full_disk(tensors, path):
+        with open(path, "wb") as handle:  # half a file, as a full disk leaves it
+            handle.write(b"\0" * 10)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    with pytest.raises(checkpoint.WriteError, match="cannot write .*model.safetensors: No space left on device") as e:
+        checkpoint.save(model, tmp_path / "ck")
+    assert e.value.errno == errno.ENOSPC and isinstance(e.value, OSError)
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # one error, not a chain
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == []  # no temporary file left
+
+
+def test_save_into_an_unwritable_folder_is_one_error_naming_the_path(tmp_path):
+    model = next(models())
+    with unwritable(tmp_path / "locked") as locked:
+        with pytest.raises(checkpoint.WriteError, match=f"cannot write {locked}"):
+            checkpoint.save(model, locked)
+        assert list(locked.iterdir()) == []
