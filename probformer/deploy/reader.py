@@ -1,0 +1,324 @@
+"""Load what ``probformer.export`` wrote, trusting nothing in the file to be code.
+
+    load(path)   a torch folder -> the model (``LogitsOnly``, eval, no grad)
+                 a .pt2 file    -> ``CheckedProgram``: the ExportedProgram behind input checks
+                 an .onnx file  -> ``CheckedOnnx``: an onnxruntime session behind input checks
+
+Every format names its model kind and config; the config is checked by building a fresh
+model through its config class, and the weights are checked against that model (names,
+shapes, dtypes, finite values) before anything runs. Weights come from safetensors,
+raw tensor bytes or ONNX initialisers, never from pickle. A .pt2 is accepted only in the
+exact layout ``torch.export.save`` writes for our models (``probformer.deploy.archive``)
+and torch reads a fresh archive re-packed from the checked entries, never the file
+itself. docs/export.md, "Trust model", explains each check. Anything else raises
+``ValueError`` (``FileNotFoundError`` for a missing path) naming the file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+from pathlib import Path
+
+import torch
+
+from probformer.deploy import archive
+from probformer.models import registry
+from probformer.models.blocks import check_token_inputs
+
+__all__ = ["load", "CheckedProgram", "CheckedOnnx", "TORCH_FORMAT", "EXPORTED_FORMAT", "ONNX_FORMAT", "LIMITS"]
+
+TORCH_FORMAT, EXPORTED_FORMAT, ONNX_FORMAT = "probformer-torch/2", "probformer-exported/2", "probformer-onnx/2"
+# bytes read at most, checked on the file's size before reading it
+LIMITS = {"json": 64 << 20, "safetensors": 16 << 30, "pt2": 4 << 30, "onnx": 2 << 30}
+FOLDER_FILES = ("config.json", "model.safetensors", "vocabulary.json", "tokenizer.json")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def load(path):
+    """The model exported at ``path`` (a torch folder, a .pt2 or an .onnx file), callable
+    as ``model(tokens, mask) -> logits``; ``ValueError`` for anything that is not exactly
+    what probformer writes, ``FileNotFoundError`` when nothing is there."""
+    path = Path(path)
+    if path.is_dir():
+        return _load_folder(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no exported model at {path}")
+    with path.open("rb") as file:
+        magic = file.read(4)
+    if magic == b"PK\x03\x04":
+        return _load_exported(path)
+    if path.suffix != ".onnx":
+        raise ValueError(f"{path}: neither a folder, a .pt2 (zip) archive nor an .onnx file")
+    return _load_onnx(path)
+
+
+# ---- shared checks ----------------------------------------------------------------------
+
+
+def _read_bytes(path: Path, limit_name: str) -> bytes:
+    """The content of a regular file no larger than ``LIMITS[limit_name]``, checked on its
+    size before it is read."""
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    if info.st_size > LIMITS[limit_name]:
+        raise ValueError(f"{path}: {info.st_size} bytes; a {limit_name} file may have at most {LIMITS[limit_name]}")
+    if info.st_size == 0:
+        raise ValueError(f"{path} is empty")
+    return path.read_bytes()
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(_read_bytes(path, "json").decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+
+
+def _model_of(meta, expected_format: str, where, device: str = "meta"):
+    """A freshly built model from a ``{"format", "model", "config"}`` record: the format,
+    the kind (``registry.KINDS``) and every config value (by the config class) checked.
+    On the meta device by default: shapes, dtypes and shared tensors without allocating."""
+    if not isinstance(meta, dict) or set(meta) != {"format", "model", "config"}:
+        found = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{where}: the probformer record must have keys format, model, config; got {found}")
+    if meta["format"] != expected_format:
+        raise ValueError(f"{where}: format must be {expected_format!r}, got {meta['format']!r}")
+    if meta["model"] not in registry.KINDS:
+        raise ValueError(f"{where}: unknown model kind {meta['model']!r}; known: {sorted(registry.KINDS)}")
+    if not isinstance(meta["config"], dict):
+        raise ValueError(f"{where}: config must be a JSON object, got {type(meta['config']).__name__}")
+    try:
+        with torch.device(device):
+            return registry.build(meta["model"], meta["config"]).eval()
+    except Exception as error:  # the config classes raise ValueError/TypeError naming the key
+        raise ValueError(f"{where}: bad model config: {error}") from None
+
+
+def _least_bytes(model) -> int:
+    """The fewest bytes that can hold ``model``'s tensors (each shared tensor once, floats
+    in 16 bits): a file smaller than this cannot be its weights."""
+    unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()
+    return sum(
+        t.numel() * (min(t.element_size(), 2) if t.dtype.is_floating_point else t.element_size()) for t in unique
+    )
+
+
+def check_weights(found: dict[str, tuple[torch.dtype, tuple]], model: torch.nn.Module, where, aliases_once: bool):
+    """Check ``{name: (dtype, shape)}`` against ``model``'s state dict: no unknown name,
+    every tensor present (a tensor shared under several names in the model: exactly
+    once if ``aliases_once``, else at least once), shapes equal, integer and bool dtypes
+    equal, floating tensors all in one floating dtype. Returns that dtype (or None)."""
+    expected = model.state_dict(keep_vars=True)
+    unknown = sorted(set(found) - set(expected))
+    if unknown:
+        raise ValueError(f"{where}: tensors the model does not have: {unknown[:5]}")
+    groups: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        groups.setdefault(id(tensor), []).append(name)
+    for names in groups.values():
+        present = [name for name in names if name in found]
+        if not present or (aliases_once and len(present) > 1):
+            what = "missing" if not present else f"stored {len(present)} times (one tensor shared by {names})"
+            raise ValueError(f"{where}: tensor {names[0]!r} is {what}")
+    floating = set()
+    for name, (dtype, shape) in found.items():
+        want = expected[name]
+        if tuple(shape) != tuple(want.shape):
+            raise ValueError(
+                f"{where}: {name!r} has shape {tuple(shape)} in the file, {tuple(want.shape)} by the config"
+            )
+        if want.dtype.is_floating_point and dtype in FLOAT_DTYPES:
+            floating.add(dtype)
+        elif dtype != want.dtype:
+            raise ValueError(f"{where}: {name!r} has dtype {dtype} in the file, {want.dtype} by the model")
+    if len(floating) > 1:
+        raise ValueError(f"{where}: floating tensors in several dtypes {sorted(map(str, floating))}; one is expected")
+    return floating.pop() if floating else None
+
+
+def _check_finite(name: str, tensor: torch.Tensor, where) -> None:
+    if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{where}: tensor {name!r} holds NaN or infinite values")
+
+
+# ---- the torch folder -------------------------------------------------------------------
+
+
+def _folder_files(folder: Path) -> dict[str, Path]:
+    """The folder's files, refusing symlinks, subfolders and any name not in FOLDER_FILES
+    (a .py, .pkl or .pt beside the weights is refused, not ignored)."""
+    files = {}
+    for entry in os.scandir(folder):
+        if entry.is_symlink():
+            raise ValueError(f"{folder}: {entry.name!r} is a symlink; an exported folder holds regular files only")
+        if entry.name not in FOLDER_FILES or not entry.is_file(follow_symlinks=False):
+            raise ValueError(f"{folder}: unexpected {entry.name!r}; an exported folder holds only {list(FOLDER_FILES)}")
+        files[entry.name] = Path(entry.path)
+    for required in FOLDER_FILES[:2]:
+        if required not in files:
+            raise FileNotFoundError(f"not an exported probformer model: {folder / required} is missing")
+    return files
+
+
+def _load_folder(folder: Path) -> torch.nn.Module:
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_safetensors
+
+    files = _folder_files(folder)
+    meta, where = _read_json(files["config.json"]), files["model.safetensors"]
+    needed = _least_bytes(_model_of(meta, TORCH_FORMAT, files["config.json"]))
+    if needed > where.stat().st_size:  # refused before the model is allocated
+        raise ValueError(
+            f"{files['config.json']}: the config needs at least {needed} bytes of weights, {where} has fewer"
+        )
+    model = _model_of(meta, TORCH_FORMAT, files["config.json"], device="cpu")
+    try:
+        weights = load_safetensors(_read_bytes(where, "safetensors"))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{where} is not a readable safetensors file: {error}") from None
+    dtype = check_weights({k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}, model, where, True)
+    for name, tensor in weights.items():
+        _check_finite(name, tensor, where)
+    if dtype is not None:
+        model.to(dtype)  # a model exported in bf16 loads in bf16
+    expected = model.state_dict(keep_vars=True)
+    by_tensor = {id(expected[name]): tensor for name, tensor in weights.items()}
+    model.load_state_dict({name: by_tensor[id(t)] for name, t in expected.items()})  # aliases take their twin
+    _check_vocabulary(files, model)
+    return registry.LogitsOnly(model).eval().requires_grad_(False)
+
+
+def _check_vocabulary(files: dict[str, Path], model) -> None:
+    if "vocabulary.json" in files:
+        words = _read_json(files["vocabulary.json"])
+        if not (isinstance(words, list) and all(isinstance(w, str) for w in words)):
+            raise ValueError(f"{files['vocabulary.json']}: a vocabulary is a JSON list of strings")
+        if len(words) != model.config.vocab_size:
+            raise ValueError(
+                f"{files['vocabulary.json']}: {len(words)} words, but vocab_size is {model.config.vocab_size}"
+            )
+    if "tokenizer.json" in files and not isinstance(_read_json(files["tokenizer.json"]), dict):
+        raise ValueError(f"{files['tokenizer.json']}: a tokenizer file is a JSON object")
+
+
+# ---- .pt2 ---------------------------------------------------------------------------------
+
+
+class CheckedProgram:
+    """A graph called like the torch model, ``(tokens, mask) -> logits``, after the input
+    checks the graph cannot make (integer ids ``[B, n]``, a bool mask of the same shape,
+    ids in ``[0, vocab_size)``, a real token per row, n <= max_length)."""
+
+    def __init__(self, run, config: dict, where):
+        self.run, self.config, self.where = run, config, str(where)
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        tokens, mask = check_token_inputs(tokens, mask, self.config["vocab_size"], self.config.get("max_length"))
+        return self.run(tokens, mask)
+
+
+def _load_exported(path: Path) -> CheckedProgram:
+    contents = archive.read_pt2(_read_bytes(path, "pt2"), path)
+    model = _model_of(contents.meta, EXPORTED_FORMAT, f"{path} (probformer.json)")
+    view = registry.LogitsOnly(model)
+    found = {fqn: (getattr(torch, p.dtype), p.shape) for fqn, p in contents.weights.items()}
+    check_weights(found, view, path, aliases_once=False)
+    buffers = dict(view.named_buffers())
+    for fqn, payload in {**contents.weights, **contents.constants}.items():
+        tensor = (
+            torch.frombuffer(bytearray(payload.data), dtype=getattr(torch, payload.dtype)) if payload.data else None
+        )
+        if fqn in contents.constants and (fqn not in buffers or tuple(buffers[fqn].shape) != payload.shape):
+            raise ValueError(f"{path}: constant {fqn!r} is not a buffer of the model")
+        if tensor is not None:
+            _check_finite(fqn, tensor, path)
+    fresh = archive.repack_pt2(contents, sample_inputs=b"")  # empty: torch unpickles no sample inputs
+    try:
+        program = torch.export.load(io.BytesIO(fresh))
+        graph = program.module()
+    except Exception as error:  # torch raises many types on programs it cannot rebuild
+        raise ValueError(f"{path}: torch.export cannot rebuild the program: {error}") from None
+    return CheckedProgram(graph.requires_grad_(False), contents.meta["config"], path)
+
+
+# ---- ONNX --------------------------------------------------------------------------------
+
+
+class CheckedOnnx(CheckedProgram):
+    """An onnxruntime session behind the same input checks, fed and read as torch tensors
+    (the logits come back on the tokens' device)."""
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        tokens, mask = check_token_inputs(tokens, mask, self.config["vocab_size"], self.config.get("max_length"))
+        feed = {"tokens": tokens.cpu().numpy(), "mask": mask.cpu().numpy()}
+        try:
+            (logits,) = self.run.run(None, feed)
+        except Exception as error:  # onnxruntime's own error types: a graph that cannot run this input
+            raise ValueError(f"{self.where}: onnxruntime failed on this input: {error}") from None
+        return torch.from_numpy(logits).to(tokens.device)
+
+
+def _onnx_tensors(graph):
+    """Every tensor held in a graph: initialisers, attribute tensors, subgraphs."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attribute in node.attribute:
+            yield from ([attribute.t] if attribute.HasField("t") else []) + list(attribute.tensors)
+            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                yield from _onnx_tensors(subgraph)
+
+
+def _load_onnx(path: Path) -> CheckedOnnx:
+    import numpy
+    import onnx
+    import onnxruntime
+
+    data = _read_bytes(path, "onnx")
+    try:
+        proto = onnx.load_model_from_string(data)  # from bytes: external data is never opened
+        tensors = [t for graph in [proto.graph] for t in _onnx_tensors(graph)]
+        for function in proto.functions:
+            for node in function.node:
+                tensors += [a.t for a in node.attribute if a.HasField("t")]
+        onnx.checker.check_model(proto)
+    except Exception as error:  # protobuf's DecodeError, the checker's ValidationError
+        raise ValueError(f"{path} is not a valid ONNX model: {error}") from None
+    for tensor in tensors:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
+            raise ValueError(f"{path}: tensor {tensor.name!r} refers to external data; only self-contained files load")
+    props = {p.key: p.value for p in proto.metadata_props}
+    try:
+        meta = json.loads(props.get("probformer", "null"))
+    except (json.JSONDecodeError, RecursionError):
+        meta = None
+    if meta is None:
+        raise ValueError(f"{path}: an ONNX model, but not a probformer export (no {ONNX_FORMAT!r} record)")
+    _model_of(meta, ONNX_FORMAT, f"{path} (metadata 'probformer')")
+    _check_onnx_signature(proto, path)
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+    for tensor in proto.graph.initializer:
+        if tensor.data_type in floats and not numpy.isfinite(onnx.numpy_helper.to_array(tensor).astype("f4")).all():
+            raise ValueError(f"{path}: initialiser {tensor.name!r} holds NaN or infinite values")
+    try:
+        session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime's own error types
+        raise ValueError(f"{path}: onnxruntime cannot open it: {error}") from None
+    return CheckedOnnx(session, meta["config"], path)
+
+
+def _check_onnx_signature(proto, path: Path) -> None:
+    """Inputs ``tokens`` int64 [B, n] and ``mask`` bool [B, n]; one output ``logits``."""
+    import onnx
+
+    declared = {i.name: (i.type.tensor_type.elem_type, len(i.type.tensor_type.shape.dim)) for i in proto.graph.input}
+    wanted = {"tokens": (onnx.TensorProto.INT64, 2), "mask": (onnx.TensorProto.BOOL, 2)}
+    outputs = [o.name for o in proto.graph.output]
+    if declared != wanted or outputs != ["logits"]:
+        raise ValueError(f"{path}: graph inputs {declared} and outputs {outputs}; expected {wanted} -> ['logits']")
