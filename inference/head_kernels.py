@@ -36,6 +36,10 @@ import torch.nn.functional as F
 __all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available"]
 
 _MASKED = -1e9  # finite "minus infinity" inside fused kernels: exp() of it is exactly 0
+# inside the far attentions (see _attention): the score of a row's sink key, and the bias of
+# keys a row must ignore; 1e9 apart, far beyond any rounding of either in float32 or bf16
+_SINK = _MASKED
+_ABSENT = 2 * _MASKED
 
 
 @dataclass
@@ -186,7 +190,13 @@ class _FlashWithLse(torch.autograd.Function):
 
 def _attention(q, k, v, key_bias, scale, *, is_causal=False, attn_mask=None):
     """softmax(scale q k^T + key_bias + mask) v and its row lse, differentiable in all
-    tensors and in lse. key_bias ``[B, C, n_k]`` rides in one extra head dimension."""
+    tensors and in lse. key_bias ``[B, C, n_k]`` rides in one extra head dimension.
+
+    Every row must see at least one key of score _SINK (a zero key whose bias is _SINK)
+    and give every key it must ignore a score near _ABSENT or below: then a row with no
+    real key has lse = _SINK + log(#sinks) computed from exactly the same numbers in the
+    forward and the backward, so exp(score - lse) is 0 or <= 1, never an overflow from
+    cancelling two rounded -1e9s; and on a row with real keys the sink weighs exp(-1e9) = 0."""
     q = torch.cat([q, torch.ones_like(q[..., :1])], -1)
     k = torch.cat([k, (key_bias / scale).unsqueeze(-1).to(k.dtype)], -1)
     width = v.shape[-1]
@@ -196,7 +206,7 @@ def _attention(q, k, v, key_bias, scale, *, is_causal=False, attn_mask=None):
     else:  # materialising fallback on other devices (correct, not memory-linear)
         scores = scale * (q @ k.transpose(-1, -2))
         if is_causal:
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), _MASKED)
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), _ABSENT)
         if attn_mask is not None:
             scores = scores + attn_mask
         lse = scores.logsumexp(-1)
@@ -205,16 +215,21 @@ def _attention(q, k, v, key_bias, scale, *, is_causal=False, attn_mask=None):
 
 
 def _far_left(q, k, v, key_bias, scale, shift, token_mask):
-    """Attention of query i over keys j <= i - shift (plus ``token_mask`` if given)."""
+    """Attention of query i over keys j <= i - shift (plus ``token_mask`` if given).
+    key_bias is _ABSENT on keys that exist for no query (padding)."""
     n = q.shape[-2]
     if token_mask is None:
-        # shift keys right by `shift` and use the causal kernel: no n x n mask at all
+        # shift keys right by `shift` and use the causal kernel: no n x n mask at all;
+        # the `shift` zero keys in front are every row's sinks
         pad = lambda t: F.pad(t, (0, 0, shift, 0))[..., :n, :]  # noqa: E731
-        bias = F.pad(key_bias, (shift, 0), value=_MASKED)[..., :n]
+        bias = F.pad(key_bias, (shift, 0), value=_SINK)[..., :n]
         return _attention(q, pad(k), pad(v), bias, scale, is_causal=True)
     allowed = token_mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-shift)
-    mask = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill(~allowed, _MASKED)
-    return _attention(q, k, v, key_bias, scale, attn_mask=mask)
+    mask = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill(~allowed, _ABSENT)
+    # one zero sink key at the end, allowed for every query
+    sink = lambda t: F.pad(t, (0, 0, 0, 1))  # noqa: E731
+    bias = F.pad(key_bias, (0, 1), value=_SINK)
+    return _attention(q, sink(k), sink(v), bias, scale, attn_mask=F.pad(mask, (0, 1)))
 
 
 def _far_right(q, k, v, key_bias, scale, shift, token_mask):
@@ -239,8 +254,19 @@ def _far_masks(structure: HeadStructure):
 
 
 def fused(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool = True) -> HeadMessages:
+    """Half-precision inputs are computed in float32 and the results cast back: the reverse
+    messages divide by row normalisers computed elsewhere (exp(score - lse of another row)),
+    and at bf16's 8 bits a potential of 1e2..1e4 rounds by more than exp() survives."""
     if structure.prior is not None:
         raise ValueError("the fused kernel has no head prior (adaptive span); use kernel='naive'")
+    dtype = query.dtype
+    wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    result = _fused(*(t.to(wide) for t in (query, key, value, value_rev)), scale, structure, messages)
+    narrow = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return HeadMessages(narrow(result.forward), narrow(result.reverse), narrow(result.lse), query=query, key=key)
+
+
+def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool) -> HeadMessages:
     B, N, K, C, r = query.shape
     n, gamma = structure.n, structure.gamma
     m = N - n
@@ -267,7 +293,7 @@ def fused(query, key, value, value_rev, scale: float, structure: HeadStructure, 
     for side, attend, k in (("right", _far_right, gamma), ("left", _far_left, 2 * gamma + 1)):
         if sides[side] is False or n <= gamma + 1:
             continue
-        key_bias = torch.where(token_nodes, 0.0, _MASKED).to(dtype).expand(B, C, n)
+        key_bias = torch.where(token_nodes, 0.0, _ABSENT).to(dtype).expand(B, C, n)
         q_k, key_k, v_k = (_heads(t, k)[..., :n, :] for t in (query, key, value))
         out, lse = attend(q_k, key_k, v_k, key_bias, scale, gamma + 1, sides[side])
         far[side] = (k, out, torch.where(token_nodes, lse, _MASKED))
@@ -294,7 +320,7 @@ def fused(query, key, value, value_rev, scale: float, structure: HeadStructure, 
         lse = lse_tokens
 
     if not messages:  # the ELBO needs only the normalisers: skip the reverse attentions
-        return HeadMessages(None, None, torch.where(has_head[:, None], lse, 0.0), query=query, key=key)
+        return HeadMessages(None, None, torch.where(has_head[:, None], lse, 0.0))
 
     # 3. messages
     forward = [query.new_zeros(B, C, N, r) for _ in range(K)]
@@ -314,9 +340,11 @@ def fused(query, key, value, value_rev, scale: float, structure: HeadStructure, 
         # reverse: head i gathers dependents j on the opposite side, biased by -lse_j
         swap = _far_left if side == "right" else _far_right
         mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
-        key_bias = torch.where(token_nodes, -lse_tokens, _MASKED)
+        key_bias = torch.where(token_nodes, -lse_tokens, _ABSENT)
         q_k, key_k, v_rev = (_heads(t, k)[..., :n, :] for t in (key, query, value_rev))
         out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, gamma + 1, mask)
+        # a padding head has no dependent: drop its row before exp() (its raw scores may be huge)
+        lse_rev = torch.where(token_nodes, lse_rev, _MASKED)
         reverse[k] = reverse[k] + F.pad(lse_rev.exp()[..., None] * out_rev, (0, 0, 0, m))
     if m:
         p_cols = (virtual_cols - lse_tokens[..., None]).exp()  # [B, C, n, m]
@@ -327,7 +355,7 @@ def fused(query, key, value, value_rev, scale: float, structure: HeadStructure, 
         from_cols = p_cols.transpose(-1, -2) @ v_rev_v[..., :n, :]  # [B, C, m, r]
         reverse[kv] = reverse[kv] + from_rows + F.pad(from_cols, (0, 0, n, 0))
     lse = torch.where(has_head[:, None], lse, 0.0)
-    return HeadMessages(_unheads(forward), _unheads(reverse), lse, query=query, key=key)
+    return HeadMessages(_unheads(forward), _unheads(reverse), lse)
 
 
 def log_normaliser(query, key, scale: float, structure: HeadStructure, kernel: str) -> torch.Tensor:
