@@ -64,7 +64,7 @@ class Topology:
 
     def mask(self, n: int) -> torch.Tensor:
         """Boolean ``[n + m, n + m]``: ``mask[i, j]`` iff node i may take node j as head."""
-        n = _check_length(n)
+        n = _check_length(n, self.extra_nodes)
         arcs = self.build(n)
         nodes = torch.arange(arcs.shape[0], device=arcs.device)
         return arcs & (nodes[:, None] != nodes[None, :])  # no self-arcs; out of place, so export keeps n symbolic
@@ -107,17 +107,29 @@ class Topology:
         return f"Topology({self.name})"
 
 
-def _check_length(n) -> int:
+# Limits (issue 17): sizes whose memory or time would be absurd are refused before any
+# mask is built. A mask is a dense [N, N] bool: 2**16 nodes are already 4 GiB.
+MAX_NODES = 2**16  # sentence length plus virtual nodes, of one mask
+MAX_CLUSTERS = 2**14  # clusters(k): k cluster nodes, k**2 arcs among them
+MAX_REACH = 2**20  # window(w), segments(l): an offset, no memory of its own
+
+
+def _check_length(n, extra_nodes: int = 0) -> int:
     if isinstance(n, torch.SymInt):  # a symbolic length while tracing for export: checked at run time
         return n
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"sentence length n must be an integer >= 1, got {n!r}")
+    if n + extra_nodes > MAX_NODES:
+        raise ValueError(
+            f"sentence length n = {n} plus {extra_nodes} virtual nodes exceeds the limit of {MAX_NODES} nodes "
+            f"(a dense [N, N] mask)"
+        )
     return n
 
 
-def _check_positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+def _check_positive(name: str, value, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ValueError(f"{name} must be an integer >= 1 and <= {maximum} (the limit), got {value!r}")
     return value
 
 
@@ -145,7 +157,7 @@ def causal() -> Topology:
 
 def window(w: int) -> Topology:
     """Token i may choose tokens j with 0 < |i - j| <= w (local attention, no wrap-around)."""
-    w = _check_positive("window width w", w)
+    w = _check_positive("window width w", w, MAX_REACH)
     return Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w, (w, w))
 
 
@@ -189,7 +201,7 @@ def clusters(k: int, dynamic: bool = False) -> Topology:
     Clusters may always choose each other. Tokens do not see each other: compose with
     ``window`` for local token-token arcs.
     """
-    k = _check_positive("number of clusters k", k)
+    k = _check_positive("number of clusters k", k, MAX_CLUSTERS)
     if not isinstance(dynamic, bool):
         raise ValueError(f"clusters(dynamic=...) must be True or False, got {dynamic!r}")
 
@@ -220,7 +232,7 @@ def segments(length: int, causal: bool = False) -> Topology:
     segment s - 1's final posteriors as fixed messages (assumed-density filtering), in
     memory bounded by ``length``. ``segment_length`` on the topology records ``length``.
     """
-    length = _check_positive("segment length l", length)
+    length = _check_positive("segment length l", length, MAX_REACH)
     if not isinstance(causal, bool):
         raise ValueError(f"segments(causal=...) must be True or False, got {causal!r}")
 
