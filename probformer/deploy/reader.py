@@ -300,12 +300,13 @@ def _load_onnx(path: Path) -> CheckedOnnx:
         meta = None
     if meta is None:
         raise ValueError(f"{path}: an ONNX model, but not a probformer export (no {ONNX_FORMAT!r} record)")
-    _model_of(meta, ONNX_FORMAT, f"{path} (metadata 'probformer')")
+    named = registry.LogitsOnly(_model_of(meta, ONNX_FORMAT, f"{path} (metadata 'probformer')")).state_dict()
     _check_onnx_signature(proto, path)
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
-    for tensor in proto.graph.initializer:
-        if tensor.data_type in floats and not numpy.isfinite(onnx.numpy_helper.to_array(tensor).astype("f4")).all():
-            raise ValueError(f"{path}: initialiser {tensor.name!r} holds NaN or infinite values")
+    for tensor in proto.graph.initializer:  # those named after a parameter; others are graph constants (-inf masks)
+        if tensor.name in named:
+            values = onnx.numpy_helper.to_array(tensor).astype("f4")
+            if tuple(values.shape) != tuple(named[tensor.name].shape) or not numpy.isfinite(values).all():
+                raise ValueError(f"{path}: initialiser {tensor.name!r} is not a finite tensor of the config's shape")
     try:
         session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     except Exception as error:  # onnxruntime's own error types

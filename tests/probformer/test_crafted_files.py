@@ -1,0 +1,379 @@
+"""Loading a crafted file never runs code from it (issue 17, items 1 and 8).
+
+The code-execution attacks on ``torch.export.load`` are rebuilt here from a real export:
+each test first shows that plain torch runs the payload (it creates a marker file), then
+that ``probformer.deploy.reader.load`` refuses the same file with a ``ValueError`` and the
+marker never appears. Hand-made and hypothesis-made damage to valid artefacts (byte
+flips, truncations, bad zip structure, folders with symlinks or pickles, ONNX external
+data, wrong inputs to the wrappers) must end in ``ValueError`` / ``FileNotFoundError`` or
+in a model that still computes the source model's logits: never another exception.
+The valid artefacts are written here with torch.export.save / torch.onnx.export of
+``LogitsOnly(model)``, in the formats the exporter writes (docs/export.md).
+"""
+
+import contextlib
+import io
+import json
+import logging
+import pickle
+import struct
+import warnings
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from safetensors.torch import save_file
+
+from probformer.deploy import reader
+from probformer.models.registry import LogitsOnly, build
+
+torch.set_num_threads(1)
+VOCAB = 40
+TRANSFORMER = dict(vocab_size=VOCAB, width=16, heads=2, layers=1, ffn_width=32, max_length=20)
+PT = dict(vocab_size=VOCAB, labels=12, channels=2, rank=3, global_labels=3, gamma=1, iterations=2, topology="full")
+HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def tiny(kind="transformer", config=TRANSFORMER):
+    torch.manual_seed(0)
+    return build(kind, config).eval()
+
+
+def batch():
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (3, 7), generator=generator)
+    mask = torch.arange(7)[None, :] < torch.tensor([7, 4, 1])[:, None]
+    return tokens, mask
+
+
+def record(kind, model, fmt):
+    return {"format": fmt, "model": kind, "config": model.config.to_dict()}
+
+
+def unique_state(model) -> dict:
+    """Every shared tensor once, as the exporter stores it (safetensors refuses aliases)."""
+    seen, unique = set(), {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor.detach().contiguous()
+    return unique
+
+
+def write_folder(folder: Path, kind="transformer", model=None) -> Path:
+    model = model if model is not None else tiny()
+    folder.mkdir(parents=True)
+    save_file(unique_state(model), str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(record(kind, model, reader.TORCH_FORMAT)))
+    return folder
+
+
+def dynamic_shapes():
+    batch_dim, length = torch.export.Dim("batch", min=1), torch.export.Dim("length", min=1, max=20)
+    return {"tokens": {0: batch_dim, 1: length}, "mask": {0: batch_dim, 1: length}}
+
+
+def trace_inputs():
+    return torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.bool)
+
+
+def write_pt2(path: Path, model) -> Path:
+    program = torch.export.export(LogitsOnly(model).eval(), trace_inputs(), dynamic_shapes=dynamic_shapes())
+    meta = json.dumps(record("transformer", model, reader.EXPORTED_FORMAT))
+    torch.export.save(program, str(path), extra_files={"probformer.json": meta})
+    return path
+
+
+def write_onnx(path: Path, model) -> Path:
+    import onnx
+
+    registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    registry_log.setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            LogitsOnly(model).eval(),
+            trace_inputs(),
+            str(path),
+            input_names=["tokens", "mask"],
+            output_names=["logits"],
+            dynamic_shapes=dynamic_shapes(),
+            external_data=False,
+            dynamo=True,
+            verbose=False,
+        )
+    proto = onnx.load(str(path))
+    onnx.helper.set_model_props(proto, {"probformer": json.dumps(record("transformer", model, reader.ONNX_FORMAT))})
+    onnx.save(proto, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def artefacts(tmp_path_factory, model):
+    root = tmp_path_factory.mktemp("artefacts")
+    return {
+        "folder": write_folder(root / "folder", model=model),
+        "pt2": write_pt2(root / "model.pt2", model),
+        "onnx": write_onnx(root / "model.onnx", model),
+    }
+
+
+def expected_logits(model, tokens, mask):
+    with torch.no_grad():
+        return model(tokens, mask)[0]
+
+
+def assert_refused(path, *fragments, error=ValueError):
+    with pytest.raises(error) as caught:
+        reader.load(path)
+    assert str(path) in str(caught.value) or str(Path(path).parent) in str(caught.value)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+
+
+# ---- valid artefacts load and compute the source model's logits -----------------------
+
+
+@pytest.mark.parametrize("fmt, tolerance", [("folder", 0.0), ("pt2", 0.0), ("onnx", 1e-5)])
+def test_valid_artefacts_reproduce_the_source_model(artefacts, model, fmt, tolerance):
+    loaded = reader.load(artefacts[fmt])
+    tokens, mask = batch()
+    with torch.no_grad():
+        found = loaded(tokens, mask)
+    assert (found - expected_logits(model, tokens, mask)).abs().max().item() <= tolerance
+
+
+def test_folder_with_shared_tensors_loads_each_once(tmp_path):
+    pt = tiny("probabilistic_transformer", PT)
+    assert len(unique_state(pt)) < len(pt.state_dict())  # the PT's crf is also mean_field.crf
+    folder = write_folder(tmp_path / "pt", "probabilistic_transformer", pt)
+    tokens, mask = batch()
+    with torch.no_grad():
+        assert torch.equal(reader.load(folder)(tokens, mask), expected_logits(pt, tokens, mask))
+    weights = {**unique_state(pt), "mean_field.crf.unary": pt.crf.unary.detach().clone()}  # stored twice
+    save_file(weights, str(folder / "model.safetensors"))
+    assert_refused(folder, "stored 2 times")
+
+
+def test_bf16_folder_loads_in_bf16(tmp_path, model):
+    half = tiny().to(torch.bfloat16)
+    folder = write_folder(tmp_path / "bf16", model=half)
+    loaded = reader.load(folder)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    tokens, mask = batch()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens, mask), expected_logits(half, tokens, mask))
+
+
+# ---- the code-execution attacks on torch.export.load, rebuilt --------------------------
+
+
+class Payload:
+    """Unpickling this creates the marker file: proof that code from the file ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def pickled(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def entries_of(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as source:
+        return {info.filename: source.read(info) for info in source.infolist()}
+
+
+def write_torch_archive(path: Path, entries: dict[str, bytes]) -> Path:
+    """An archive in torch's own zip layout (its writer), so only the content is crafted."""
+    from torch.export.pt2_archive import PT2ArchiveWriter
+
+    with PT2ArchiveWriter(str(path)) as writer:
+        for name, data in entries.items():
+            name = name.split("/", 1)[1]
+            if name not in (".data/version", ".data/serialization_id", "byteorder"):  # the writer adds these
+                writer.write_bytes(name, data)
+    return path
+
+
+def write_plain_zip(path: Path, items: list[tuple[str, bytes]], external_attr: int = 0, tail: bytes = b"") -> Path:
+    """A stored zip written byte by byte: no extra fields, no attributes unless asked (what
+    the strict reader accepts), but anything torch's writer never writes: duplicate names,
+    odd names, symlink attributes, bytes after the end."""
+    local, central = bytearray(), bytearray()
+    for name, data in items:
+        raw, crc = name.encode(), zlib.crc32(data)
+        header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0, crc, len(data), len(data), len(raw), 0)
+        central += (
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                20,
+                20,
+                0,
+                0,
+                0,
+                0,
+                crc,
+                len(data),
+                len(data),
+                len(raw),
+                0,
+                0,
+                0,
+                0,
+                external_attr,
+                len(local),
+            )
+            + raw
+        )
+        local += header + raw + data
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(items), len(items), len(central), len(local), 0)
+    path.write_bytes(bytes(local + central + end) + tail)
+    return path
+
+
+def torch_runs_it(path: Path, marker: Path) -> bool:
+    """Load ``path`` with plain torch (and run the module on a batch): did the payload run?"""
+    marker.unlink(missing_ok=True)
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch._export.serde.serialize").disabled = True
+        torch.export.load(str(path)).module()(*batch())
+    logging.getLogger("torch._export.serde.serialize").disabled = False
+    ran = marker.exists()
+    marker.unlink(missing_ok=True)
+    return ran
+
+
+def key(entries, suffix):
+    return next(name for name in entries if name.endswith(suffix))
+
+
+def duplicate_config(tmp_path, valid, marker) -> Path:
+    """(a) Two entries named like the weights config: the pickled one is read by torch's
+    reader (a binary search over the sorted names), the benign one by Python's zipfile
+    (the last of a name). Tried at every position until torch picks the pickled one."""
+    entries = entries_of(valid)
+    name = key(entries, "data/weights/model_weights_config.json")
+    config = json.loads(entries[name])
+    evil = json.loads(json.dumps(config))
+    evil["config"][next(iter(evil["config"]))].update(use_pickle=True, path_name="weight_99")
+    crafted = [(name, json.dumps(evil).encode()), (name.replace("model_weights_config.json", "weight_99"), b"")]
+    crafted[1] = (crafted[1][0], pickled(Payload(marker)))
+    items = list(entries.items())
+    for position in range(len(items) + 1):
+        path = write_plain_zip(tmp_path / "duplicate.pt2", items[:position] + crafted + items[position:])
+        with zipfile.ZipFile(path) as check:
+            benign_for_zipfile = b"weight_99" not in check.read(name)
+        if benign_for_zipfile and torch_runs_it(path, marker):
+            return path
+    pytest.skip(f"torch {torch.__version__} never reads the pickled duplicate: nothing to demonstrate")
+
+
+def opaque_constant(tmp_path, valid, marker) -> Path:
+    """(b) A constant stored as a pickled opaque object, named in the constants config."""
+    entries = entries_of(valid)
+    name = key(entries, "data/constants/model_constants_config.json")
+    evil = {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": True, "tensor_meta": None}
+    config = {"config": {"evil": evil}}
+    entries[name] = json.dumps(config).encode()
+    entries[name.replace("model_constants_config.json", "opaque_obj_0")] = pickle.dumps(Payload(marker))
+    return write_torch_archive(tmp_path / "opaque.pt2", entries)
+
+
+def pickled_weight(tmp_path, valid, marker) -> Path:
+    """A weight flagged ``use_pickle``: torch.load(weights_only=False) on its bytes."""
+    entries = entries_of(valid)
+    name = key(entries, "data/weights/model_weights_config.json")
+    config = json.loads(entries[name])
+    entry = config["config"][next(iter(config["config"]))]
+    entry["use_pickle"] = True
+    entries[name] = json.dumps(config).encode()
+    entries[key(entries, "data/weights/" + entry["path_name"])] = pickled(Payload(marker))
+    return write_torch_archive(tmp_path / "pickled_weight.pt2", entries)
+
+
+def sample_inputs(tmp_path, valid, marker) -> Path:
+    """Sample inputs the weights-only unpickler refuses: torch retries with weights_only=False."""
+    entries = entries_of(valid)
+    entries[key(entries, "data/sample_inputs/model.pt")] = pickled(Payload(marker))
+    return write_torch_archive(tmp_path / "sample_inputs.pt2", entries)
+
+
+def shape_expression(tmp_path, valid, marker) -> Path:
+    """A shape expression: the deserializer hands it to sympy.sympify, which evaluates it."""
+    entries = entries_of(valid)
+    name = key(entries, "models/model.json")
+    symbol = "Symbol('s27', positive=True, integer=True)"
+    program = entries[name].decode()
+    symbol = program[program.index("Symbol('s") :].split(")", 1)[0] + ")"
+    evil = f"(open({str(marker)!r}, 'w') and {symbol})"
+    entries[name] = program.replace(f'"expr_str": "{symbol}"', f'"expr_str": "{evil}"', 1).encode()
+    return write_torch_archive(tmp_path / "expression.pt2", entries)
+
+
+def guard_code(tmp_path, valid, marker) -> Path:
+    """Guard code: ExportedProgram.module() compiles it into the module's input check."""
+    entries = entries_of(valid)
+    name = key(entries, "models/model.json")
+    program = json.loads(entries[name])
+    program["guards_code"].append(f"open({str(marker)!r}, 'w') is not None")
+    entries[name] = json.dumps(program).encode()
+    return write_torch_archive(tmp_path / "guards.pt2", entries)
+
+
+def foreign_target(tmp_path, valid, marker) -> Path:
+    """A node calling a function outside ATen (resolved by attribute lookup under torch)."""
+    entries = entries_of(valid)
+    name = key(entries, "models/model.json")
+    program = json.loads(entries[name])
+    node = program["graph_module"]["graph"]["nodes"][0]
+    node["target"] = "torch.serialization.load"
+    entries[name] = json.dumps(program).encode()
+    return write_torch_archive(tmp_path / "target.pt2", entries)
+
+
+ATTACKS = {
+    "duplicate_name": (duplicate_config, "duplicate archive entry"),
+    "opaque_object": (opaque_constant, "unexpected archive entry"),
+    "pickled_weight": (pickled_weight, "asks for unpickling"),
+    "sample_inputs": (sample_inputs, None),
+    "shape_expression": (shape_expression, "shape expression"),
+    "guard_code": (guard_code, None),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_code_execution_attacks_run_in_torch_but_not_in_load(tmp_path, artefacts, model, attack):
+    craft, fragment = ATTACKS[attack]
+    marker = tmp_path / "marker"
+    path = craft(tmp_path, artefacts["pt2"], marker)
+    if attack != "duplicate_name" and not torch_runs_it(path, marker):  # duplicate_name checked it already
+        pytest.skip(f"torch {torch.__version__} itself refuses the {attack} attack: nothing to demonstrate")
+    if fragment is None:  # refused, or loaded with the dangerous part dropped: it computes the model
+        with contextlib.suppress(ValueError):
+            loaded = reader.load(path)
+            tokens, mask = batch()
+            assert torch.equal(loaded(tokens, mask), expected_logits(model, tokens, mask))
+    else:
+        assert_refused(path, fragment)
+    assert not marker.exists()
+
+
+def test_calls_outside_aten_are_refused(tmp_path, artefacts):
+    assert_refused(foreign_target(tmp_path, artefacts["pt2"], tmp_path / "marker"), "only ATen operators")
