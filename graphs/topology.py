@@ -47,6 +47,10 @@ class Topology:
     offsets ``-left <= j - i <= right`` (``math.inf`` for unbounded); None means an
     arbitrary pattern. Engines use it to pick mask-free kernels. ``segment_length`` is
     set by ``segments(l)``: arcs stay within a segment and the one before it.
+
+    ``build_rows(mask)`` is set where the arcs depend on the sentence length and not only
+    on positions (contiguous ``clusters``): from a batch's token mask ``[B, n]`` it builds
+    every row for its real length, ``[B, n + m, n + m]``. ``arcs(mask)`` uses it.
     """
 
     name: str
@@ -54,6 +58,7 @@ class Topology:
     build: Callable[[int], torch.Tensor]
     band: tuple[float, float] | None = None
     segment_length: int | None = None
+    build_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def extra_nodes(self) -> int:
@@ -68,6 +73,29 @@ class Topology:
         arcs = self.build(n)
         nodes = torch.arange(arcs.shape[0], device=arcs.device)
         return arcs & (nodes[:, None] != nodes[None, :])  # no self-arcs; out of place, so export keeps n symbolic
+
+    def arcs(self, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, n + m, n + m]`` bool for a padded batch (``mask [B, n]``, True for a real
+        token): the arcs of each row between the nodes it has (a padded position loses its
+        node; the virtual nodes are in every row). A row's arcs are those of its real length
+        (the number of its real tokens), so a sentence has the same arcs however much
+        padding its batch adds. For a topology made of positions alone (no ``build_rows``)
+        this is ``mask(n)`` cut to each row's nodes."""
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+            raise ValueError(f"mask must be a bool tensor [batch, n], got {getattr(mask, 'shape', mask)!r}")
+        batch, n = mask.shape
+        _check_length(n, self.extra_nodes)
+        rows = self._rows(mask)
+        nodes = torch.cat([mask, mask.new_ones(batch, self.extra_nodes)], 1)
+        index = torch.arange(n + self.extra_nodes, device=mask.device)
+        not_self = index[:, None] != index[None, :]
+        return rows & nodes[:, :, None] & nodes[:, None, :] & not_self
+
+    def _rows(self, mask: torch.Tensor) -> torch.Tensor:
+        if self.build_rows is not None:
+            return self.build_rows(mask)
+        arcs = self.build(mask.shape[1]).to(mask.device)
+        return arcs[None].expand(mask.shape[0], -1, -1)
 
     def graph(self, n: int):
         """The arcs as a networkx DiGraph (edge i -> j: i may choose j as head); nodes carry
@@ -88,20 +116,29 @@ class Topology:
             return NotImplemented
         left, right = self, other
 
-        def build(n: int) -> torch.Tensor:
-            a, b = left.build(n), right.build(n)
-            ma, mb = left.extra_nodes, right.extra_nodes
+        ma, mb = left.extra_nodes, right.extra_nodes
+
+        def union(a: torch.Tensor, b: torch.Tensor, n) -> torch.Tensor:
+            """``a [..., n + ma, n + ma] | b [..., n + mb, n + mb]`` on ``[..., N, N]``."""
             # b's virtual nodes sit after a's: tokens keep indices 0..n-1. Built by
             # concatenation, not index assignment, so a traced length stays symbolic.
-            gap_rows, gap = b.new_zeros(ma, n + ma + mb), b.new_zeros(n + mb, ma)
-            b_cols = torch.cat([b[:, :n], gap, b[:, n:]], 1)  # [n + mb, N]
-            b_spread = torch.cat([b_cols[:n], gap_rows, b_cols[n:]], 0)
+            lead = b.shape[:-2]
+            gap_rows, gap = b.new_zeros(*lead, ma, n + ma + mb), b.new_zeros(*lead, n + mb, ma)
+            b_cols = torch.cat([b[..., :, :n], gap, b[..., :, n:]], -1)  # [..., n + mb, N]
+            b_spread = torch.cat([b_cols[..., :n, :], gap_rows, b_cols[..., n:, :]], -2)
             return torch.nn.functional.pad(a, (0, mb, 0, mb)) | b_spread
+
+        def build(n: int) -> torch.Tensor:
+            return union(left.build(n), right.build(n), n)
+
+        def build_rows(mask: torch.Tensor) -> torch.Tensor:
+            return union(left._rows(mask), right._rows(mask), mask.shape[1])
 
         band = None
         if left.band is not None and right.band is not None:  # nested bands: the union is a band
             band = (max(left.band[0], right.band[0]), max(left.band[1], right.band[1]))
-        return Topology(f"{left.name} | {right.name}", left.virtual + right.virtual, build, band)
+        rows = build_rows if left.build_rows is not None or right.build_rows is not None else None
+        return Topology(f"{left.name} | {right.name}", left.virtual + right.virtual, build, band, None, rows)
 
     def __repr__(self) -> str:
         return f"Topology({self.name})"
@@ -195,8 +232,10 @@ def clusters(k: int, dynamic: bool = False) -> Topology:
 
     Contiguous (default): token i belongs to cluster floor(i * k / n) (sizes differ by at
     most one, any n); a token may choose its own cluster as head and a cluster any of its
-    members. ``dynamic=True``: every token may choose any cluster and every cluster any
-    token, so the head posterior of a token over the cluster nodes *is* its routing
+    members. In a padded batch (``arcs(mask)``) n is each sentence's real length and i
+    counts its real tokens, so padding never moves a token to another cluster.
+    ``dynamic=True``: every token may choose any cluster and every cluster any token, so
+    the head posterior of a token over the cluster nodes *is* its routing
     distribution (``probformer.SwarmFormer``'s Gumbel-softmax routing reads it as a sample).
     Clusters may always choose each other. Tokens do not see each other: compose with
     ``window`` for local token-token arcs.
@@ -205,21 +244,24 @@ def clusters(k: int, dynamic: bool = False) -> Topology:
     if not isinstance(dynamic, bool):
         raise ValueError(f"clusters(dynamic=...) must be True or False, got {dynamic!r}")
 
-    def build(n: int) -> torch.Tensor:
-        out = torch.zeros(n + k, n + k, dtype=torch.bool)
+    def build_rows(mask: torch.Tensor) -> torch.Tensor:
+        batch, n = mask.shape
         if dynamic:
-            out[:n, n:] = True
-            out[n:, :n] = True
-        else:
-            member = (torch.arange(n) * k) // n  # contiguous, sizes differ by at most one
-            tokens = torch.arange(n)
-            out[tokens, n + member] = True
-            out[n + member, tokens] = True
-        out[n:, n:] = True
-        return out
+            belongs = mask[:, :, None].expand(batch, n, k)
+        else:  # contiguous over the real tokens: the r-th of L real tokens joins floor(r k / L)
+            length = mask.sum(1, keepdim=True).clamp(min=1)
+            rank = (mask.long().cumsum(1) - 1).clamp(min=0)
+            member = torch.div(rank * k, length, rounding_mode="floor")
+            belongs = (member[:, :, None] == torch.arange(k, device=mask.device)) & mask[:, :, None]
+        tokens = torch.cat([belongs.new_zeros(batch, n, n), belongs], 2)  # token -> its cluster
+        nodes = torch.cat([belongs.transpose(1, 2), belongs.new_ones(batch, k, k)], 2)  # cluster -> members, clusters
+        return torch.cat([tokens, nodes], 1)
+
+    def build(n: int) -> torch.Tensor:
+        return build_rows(torch.ones(1, n, dtype=torch.bool))[0]
 
     name = f"clusters({k}, dynamic=True)" if dynamic else f"clusters({k})"
-    return Topology(name, tuple(f"cluster{c}" for c in range(k)), build, (0, 0))
+    return Topology(name, tuple(f"cluster{c}" for c in range(k)), build, (0, 0), build_rows=build_rows)
 
 
 def segments(length: int, causal: bool = False) -> Topology:
