@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from probformer.deploy import reader
+from probformer.deploy import archive, reader
 from probformer.models.registry import LogitsOnly, build
 
 torch.set_num_threads(1)
@@ -210,7 +211,7 @@ def write_torch_archive(path: Path, entries: dict[str, bytes]) -> Path:
     return path
 
 
-def write_plain_zip(path: Path, items: list[tuple[str, bytes]], external_attr: int = 0, tail: bytes = b"") -> Path:
+def write_plain_zip(path: Path, items: list, external_attr: int = 0, tail: bytes = b"", gap: bytes = b"") -> Path:
     """A stored zip written byte by byte: no extra fields, no attributes unless asked (what
     the strict reader accepts), but anything torch's writer never writes: duplicate names,
     odd names, symlink attributes, bytes after the end."""
@@ -241,7 +242,7 @@ def write_plain_zip(path: Path, items: list[tuple[str, bytes]], external_attr: i
             )
             + raw
         )
-        local += header + raw + data
+        local += header + raw + data + gap  # gap: bytes no entry owns
     end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(items), len(items), len(central), len(local), 0)
     path.write_bytes(bytes(local + central + end) + tail)
     return path
@@ -377,3 +378,153 @@ def test_code_execution_attacks_run_in_torch_but_not_in_load(tmp_path, artefacts
 
 def test_calls_outside_aten_are_refused(tmp_path, artefacts):
     assert_refused(foreign_target(tmp_path, artefacts["pt2"], tmp_path / "marker"), "only ATen operators")
+
+
+# ---- zip structure: only exactly the layout torch writes is read -----------------------
+
+
+def valid_items(artefacts):
+    return list(entries_of(artefacts["pt2"]).items())
+
+
+ZIP_CASES = {
+    "parent folder": (lambda items: [("../evil", b"x")] + items, "not a plain relative path"),
+    "absolute name": (lambda items: [("/etc/evil", b"x")] + items, "not a plain relative path"),
+    "backslash": (lambda items: [("model\\..\\evil", b"x")] + items, "not a plain relative path"),
+    "dot folder": (lambda items: [("model/./evil", b"x")] + items, "not a plain relative path"),
+    "duplicate": (lambda items: items + [items[0]], "duplicate archive entry"),
+    "extra entry": (lambda items: items + [("model/data/weights/evil.pkl", b"x")], "unexpected archive entry"),
+    "two roots": (lambda items: items + [("other/archive_format", b"pt2")], "one root folder"),
+    "no program": (lambda items: [i for i in items if not i[0].endswith("model.json")], "missing entries"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ZIP_CASES))
+def test_archives_not_in_our_layout_are_refused(tmp_path, artefacts, case):
+    change, fragment = ZIP_CASES[case]
+    assert_refused(write_plain_zip(tmp_path / "case.pt2", change(valid_items(artefacts))), fragment)
+
+
+def test_symlinks_hidden_bytes_and_compression_are_refused(tmp_path, artefacts):
+    items = valid_items(artefacts)
+    symlink = write_plain_zip(tmp_path / "link.pt2", items, external_attr=(0o120777 << 16))
+    assert_refused(symlink, "file attributes")
+    assert_refused(write_plain_zip(tmp_path / "tail.pt2", items, tail=b"hidden"), "end record")
+    data = write_plain_zip(tmp_path / "plain.pt2", items).read_bytes()
+    (tmp_path / "head.pt2").write_bytes(b"PK\x03\x04" + data)  # the directory's offset is now wrong
+    assert_refused(tmp_path / "head.pt2", "between the central directory and the end record")
+    assert_refused(write_plain_zip(tmp_path / "gap.pt2", items, gap=b"hidden"), "not where the previous one ended")
+    with zipfile.ZipFile(tmp_path / "deflated.pt2", "w", zipfile.ZIP_DEFLATED) as out:
+        for name, content in items:
+            out.writestr(name, content)
+    assert_refused(tmp_path / "deflated.pt2", "compressed")
+    with zipfile.ZipFile(tmp_path / "foreign.pt2", "w") as out:
+        out.writestr("hello.txt", "a zip that is not a model")
+    assert_refused(tmp_path / "foreign.pt2")
+
+
+def test_the_strict_reader_reads_torch_archives_as_zipfile_does(artefacts):
+    data = artefacts["pt2"].read_bytes()
+    assert archive.read_zip(data, "model.pt2") == entries_of(artefacts["pt2"])
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04", b"PK\x03\x04" + b"\0" * 100, b"not a model", b"\x08\x01"])
+@pytest.mark.parametrize("suffix", [".pt2", ".onnx"])
+def test_empty_and_foreign_files_are_refused(tmp_path, content, suffix):
+    path = tmp_path / f"file{suffix}"
+    path.write_bytes(content)
+    assert_refused(path)
+
+
+def test_missing_paths_raise_file_not_found(tmp_path):
+    assert_refused(tmp_path / "nothing.pt2", error=FileNotFoundError)
+    (tmp_path / "folder").mkdir()
+    assert_refused(tmp_path / "folder", error=FileNotFoundError)
+
+
+def test_the_program_check_refuses_what_torch_would_evaluate():
+    for text in ["__import__('os')", "Symbol('s0').__class__", "Pow(Integer(10), Integer(10000000))", "x" * 20_000]:
+        with pytest.raises(ValueError, match="shape expression"):
+            archive.check_program({"graph_module": {"graph": {"nodes": [{"expr_str": text}]}}}, "p")
+    good = "Mul(Integer(2), Pow(Symbol('s27', positive=True, integer=True), Integer(2)))"
+    assert archive.check_program({"graph_module": {"x": {"expr_str": good}}}, "p")["graph_module"]["x"]["expr_str"]
+    for program in [
+        {"graph_module": {"nodes": [{"target": "builtins.eval"}]}},
+        {"graph_module": {"nodes": [{"target": "torch.ops.aten.from_file.default"}]}},
+        {"graph_module": {"nodes": [{"name": "x = 1"}]}},
+        {"graph_module": {"custom_obj_values": {"a": 1}}},
+        {"graph_module": {"in_spec": '[1, {"type": "os.system", "children_spec": []}]'}},
+        {"graph_module": {}, "verifiers": ["EVIL"]},
+        {"graph_module": {}, "unknown": 1},
+    ]:
+        with pytest.raises(ValueError):
+            archive.check_program(program, "p")
+    stripped = archive.check_program({"graph_module": {"metadata": {"stack_trace": "x"}}, "guards_code": ["1"]}, "p")
+    assert stripped == {"graph_module": {"metadata": {}}, "guards_code": []}
+
+
+# ---- random damage: refused, or still the same model -------------------------------------
+
+
+def damaged(data: bytes, position: int, flip: int, cut: bool) -> bytes:
+    position %= len(data)
+    if cut:
+        return data[:position]
+    return data[:position] + bytes([data[position] ^ flip]) + data[position + 1 :]
+
+
+def outcome(path, model):
+    """``"refused"`` or ``"same"``; anything else fails the test."""
+    try:
+        loaded = reader.load(path)
+        tokens, mask = batch()
+        with torch.no_grad():
+            found = loaded(tokens, mask)
+    except (ValueError, FileNotFoundError):
+        return "refused"
+    assert torch.allclose(found, expected_logits(model, tokens, mask), atol=1e-5)  # damage that changes nothing
+    return "same"
+
+
+@HYPOTHESIS
+@given(position=st.integers(0, 10**9), flip=st.integers(1, 255), cut=st.booleans())
+def test_damaged_pt2_is_refused_or_unchanged(tmp_path, artefacts, model, position, flip, cut):
+    path = tmp_path / "damaged.pt2"
+    path.write_bytes(damaged(artefacts["pt2"].read_bytes(), position, flip, cut))
+    outcome(path, model)
+
+
+@HYPOTHESIS
+@given(position=st.integers(0, 10**9), flip=st.integers(1, 255), cut=st.booleans())
+def test_damaged_onnx_is_refused_or_runs(tmp_path, artefacts, model, position, flip, cut):
+    """ONNX has no checksum: a flipped weight byte gives another (finite) model. Outcome:
+    refused, or logits of the right shape; never another exception."""
+    path = tmp_path / "damaged.onnx"
+    path.write_bytes(damaged(artefacts["onnx"].read_bytes(), position, flip, cut))
+    tokens, mask = batch()
+    try:
+        logits = reader.load(path)(tokens, mask)
+    except (ValueError, FileNotFoundError):
+        return
+    assert logits.shape == (3, 7, VOCAB)
+
+
+@HYPOTHESIS
+@given(position=st.integers(0, 10**9), flip=st.integers(1, 255), cut=st.booleans(), which=st.booleans())
+def test_damaged_folder_is_refused_or_runs(tmp_path, artefacts, model, position, flip, cut, which):
+    """safetensors has no checksum either: a flipped weight byte gives another model, never
+    a NaN one (non-finite weights are refused)."""
+    folder = tmp_path / "damaged"
+    if not folder.exists():
+        write_folder(folder, model=model)
+    name = "config.json" if which else "model.safetensors"
+    original = (artefacts["folder"] / name).read_bytes()
+    (folder / name).write_bytes(damaged(original, position, flip, cut))
+    tokens, mask = batch()
+    try:
+        logits = reader.load(folder)(tokens, mask)
+    except (ValueError, FileNotFoundError):
+        return
+    finally:
+        (folder / name).write_bytes(original)
+    assert logits.shape == (3, 7, VOCAB) and bool(torch.isfinite(logits).all())
