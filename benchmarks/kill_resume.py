@@ -1,0 +1,202 @@
+"""Kill a tiny training run with SIGKILL at random moments and resume it (issue 17).
+
+    .venv/bin/python benchmarks/kill_resume.py [--trials 100] [--seed 0] [--workers 2] [--out DIR]
+
+Each trial starts ``probformer train`` (a subprocess) on a tiny PT run (8 steps, a
+checkpoint after every step, so much of the run is spent inside saves; a metrics line
+every third step, so checkpoints fall inside loss windows; a validation at step 4),
+waits until the run folder exists (imports and data preparation are over), sleeps a random
+delay drawn uniformly over the measured length of the run, and sends SIGKILL. A
+trial whose run finished before the kill is drawn again (it tested nothing). Then
+``probformer train --resume`` (a second subprocess) finishes the run, and the trial
+counts as identical when the final weights (``model/model.safetensors``) are equal
+byte for byte to an uninterrupted run's and ``metrics.jsonl`` is equal line for line
+once the wall-clock fields (``elapsed``, ``tokens_per_second``) are dropped, with
+no temporary file or folder left behind.
+
+Where each kill landed is read from what it left on disk: a temporary checkpoint
+folder (inside a save), a complete checkpoint the pointer does not name yet (between
+rename and pointer move), an older checkpoint not yet pruned, half a metrics line,
+the final model folder mid-write, the final validation line without the model, or
+none of these (inside a step, an evaluation or the loss plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WALL_CLOCK_KEYS = ("elapsed", "tokens_per_second")  # as probformer.training.run_log says
+
+TINY = """
+[model]
+kind = "probabilistic_transformer"
+labels = 8
+channels = 2
+rank = 2
+iterations = 1
+dropout = 0.1
+mup = true
+
+[data]
+source = "ptb"
+task = "mlm"
+train_sentences = 32
+valid_sentences = 8
+max_length = 90
+vocabulary = 200
+
+[train]
+batch_size = 8
+lr = 3e-3
+warmup_steps = 2
+steps = 8
+checkpoint_every = 1
+eval_every = 4
+eval_sentences = 4
+log_every = 3
+threads = 1
+"""
+
+
+def start(config: Path, run: Path, *extra: str) -> subprocess.Popen:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    command = [sys.executable, "-m", "probformer", "train", "--config", str(config), "--out", str(run), *extra]
+    return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def comparable(run: Path) -> tuple[bytes, list[dict]]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return (run / "model" / "model.safetensors").read_bytes(), [
+        {k: v for k, v in r.items() if k not in WALL_CLOCK_KEYS} for r in records
+    ]
+
+
+def where_killed(run: Path) -> str:
+    """Which stage the kill interrupted, read from the files it left."""
+    folder = run / "checkpoints"
+    pointer = folder / "latest"
+    latest = pointer.read_text().strip() if pointer.is_file() else None
+    steps = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
+    metrics = run / "metrics.jsonl"
+    if list(run.glob(".model.*")):
+        return "final model write"
+    if folder.is_dir() and list(folder.glob(".step-*.tmp-*")):
+        return "save: temporary checkpoint"
+    if latest is None:
+        return "before the first checkpoint"
+    if steps and steps[-1] > latest:
+        return "save: renamed, pointer not moved"
+    if len(steps) > 1:
+        return "save: pointer moved, older not pruned"
+    if metrics.is_file() and metrics.read_text() and not metrics.read_text().endswith("\n"):
+        return "half a metrics line"
+    if (run / "model").is_dir():
+        return "after the final model"
+    if metrics.is_file() and '"final": true' in metrics.read_text():
+        return "final: validation logged, model not written"
+    return "training step / evaluation / plot"
+
+
+def leftovers(run: Path) -> list[str]:
+    names = [p.relative_to(run).as_posix() for p in run.rglob("*")]
+    return [n for n in names if ".tmp-" in n or ".old-" in n or "/.tmp" in n]
+
+
+def reference_run(folder: Path, config: Path) -> tuple[tuple[bytes, list[dict]], float]:
+    """The uninterrupted run and how long it runs once its folder exists."""
+    run = folder / "reference"
+    process = start(config, run)
+    while not (run / "run.json").is_file() and process.poll() is None:
+        time.sleep(0.002)
+    began = time.perf_counter()
+    _, error = process.communicate()
+    if process.returncode:
+        raise RuntimeError(f"the reference run failed: {error.decode()[-2000:]}")
+    return comparable(run), time.perf_counter() - began
+
+
+def trial(index: int, folder: Path, config: Path, expected, duration: float, seed: int) -> dict:
+    generator = random.Random(seed * 1_000_003 + index)
+    for attempt in range(20):
+        run = folder / f"trial-{index:03d}-{attempt}"
+        process = start(config, run)
+        while not (run / "run.json").is_file() and process.poll() is None:
+            time.sleep(0.002)
+        delay = generator.uniform(0.0, duration)
+        time.sleep(delay)
+        if process.poll() is not None:  # finished (or failed) before the kill: draw again
+            process.communicate()
+            continue
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        stage = where_killed(run)
+        resumed = start(config, run, "--resume")
+        _, error = resumed.communicate()
+        result = {"trial": index, "delay": round(delay, 4), "stage": stage, "attempts": attempt + 1}
+        if resumed.returncode:
+            return {**result, "identical": False, "why": f"resume failed: {error.decode()[-600:]}"}
+        got = comparable(run)
+        why = []
+        if got[0] != expected[0]:
+            why.append("final weights differ")
+        if got[1] != expected[1]:
+            why.append("metrics differ")
+        if leftovers(run):
+            why.append(f"left behind: {leftovers(run)}")
+        if not why:
+            shutil.rmtree(run)  # keep only what failed, for a look
+        return {**result, "identical": not why, "why": "; ".join(why)}
+    return {"trial": index, "identical": False, "killed": False, "why": "never killed before the run ended"}
+
+
+def kill_and_resume(trials: int = 100, folder=None, seed: int = 0, workers: int = 2) -> dict:
+    folder = Path(folder or tempfile.mkdtemp(prefix="kill-resume-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "tiny.toml"
+    config.write_text(TINY)
+    expected, duration = reference_run(folder, config)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(lambda i: trial(i, folder, config, expected, duration, seed), range(trials)))
+    stages: dict[str, int] = {}
+    for r in results:
+        if r.get("stage"):
+            stages[r["stage"]] = stages.get(r["stage"], 0) + 1
+    return {
+        "trials": trials,
+        "killed": sum(1 for r in results if r.get("killed", True)),
+        "identical": sum(1 for r in results if r["identical"]),
+        "run_seconds_after_folder": round(duration, 3),
+        "stages": dict(sorted(stages.items(), key=lambda kv: -kv[1])),
+        "failures": [r for r in results if not r["identical"]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=2, help="trials run side by side (default 2)")
+    parser.add_argument("--out", help="folder for the runs (default: a new temporary folder)")
+    args = parser.parse_args()
+    if args.trials < 1 or args.workers < 1:
+        parser.error("--trials and --workers must be >= 1")
+    started = time.perf_counter()
+    result = kill_and_resume(args.trials, args.out, args.seed, args.workers)
+    print(json.dumps({**result, "seconds": round(time.perf_counter() - started, 1)}, indent=1))
+    print(f"{result['identical']} of {result['trials']} resumed identically ({result['killed']} killed)")
+
+
+if __name__ == "__main__":
+    main()
