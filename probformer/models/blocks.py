@@ -96,18 +96,22 @@ def window_attention(q, k, v, key_bias, left: int, right: int, dropout_p: float 
     O(n (left + right + 1) dh) time and memory, against O(n^2 dh) for a banded mask: the
     keys are unfolded into windows. A query with no allowed key (padding) attends to
     itself, so nothing turns into NaN."""
-    width = left + right + 1
-    windowed_keys = F.pad(k, (0, 0, left, right)).unfold(2, width, 1)  # [B, H, n, dh, width]
-    windowed_values = F.pad(v, (0, 0, left, right)).unfold(2, width, 1)
-    bias = F.pad(key_bias, (left, right), value=float("-inf")).unfold(1, width, 1)  # [B, n, width]
+    n = q.shape[2]
+    # key positions i - left .. i + right per query, gathered (not unfolded from a padded
+    # copy), so a traced length stays symbolic; positions outside the sequence are masked
+    window = torch.arange(n, device=q.device)[:, None] + torch.arange(-left, right + 1, device=q.device)
+    inside = (window >= 0) & (window < n)  # [n, width]
+    window = window.clamp(0, n - 1)
+    windowed_keys, windowed_values = k[:, :, window], v[:, :, window]  # [B, H, n, width, dh]
+    bias = key_bias[:, window].masked_fill(~inside, float("-inf"))  # [B, n, width]
     allowed = torch.isfinite(bias)
-    itself = torch.arange(width, device=q.device) == left
+    itself = torch.arange(left + right + 1, device=q.device) == left
     allowed = allowed | (~allowed.any(-1, keepdim=True) & itself)
-    scores = (q[..., None, :] @ windowed_keys).squeeze(-2) / math.sqrt(q.shape[-1])  # [B, H, n, width]
+    scores = (q[..., None, :] @ windowed_keys.transpose(-1, -2)).squeeze(-2) / math.sqrt(q.shape[-1])
     bias = torch.where(allowed, torch.where(torch.isfinite(bias), bias, 0.0), float("-inf"))
-    scores = scores + bias[:, None].to(scores.dtype)
+    scores = scores + bias[:, None].to(scores.dtype)  # [B, H, n, width]
     probs = F.dropout(scores.softmax(-1), dropout_p, dropout_p > 0)
-    return (windowed_values @ probs[..., None]).squeeze(-1)  # [B, H, n, dh]
+    return (probs[..., None, :] @ windowed_values).squeeze(-2)  # [B, H, n, dh]
 
 
 class Block(nn.Module):

@@ -112,9 +112,10 @@ class ParticleTransformer(nn.Module):
                 choice = hard + soft - soft.detach()
             else:
                 choice = soft
-        else:  # a fixed rule at inference: the most attended ancestor
-            choice = F.one_hot(logits.argmax(-1), x.shape[1]).to(x.dtype)
-        moved = x + choice @ self.resample_value(self.resample_norm(x))
+            moved = x + choice @ self.resample_value(self.resample_norm(x))
+        else:  # a fixed rule at inference: the most attended ancestor, gathered (no one-hot of size n)
+            ancestors = logits.argmax(-1)[..., None].expand(-1, -1, x.shape[-1])
+            moved = x + self.resample_value(self.resample_norm(x)).gather(1, ancestors)
         return torch.where(active[:, None, None], moved, x)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):

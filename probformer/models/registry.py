@@ -52,12 +52,26 @@ def build(kind: str, config: dict, section: str = "config") -> nn.Module:
 class LogitsOnly(nn.Module):
     """The inference view of any model: ``(tokens, mask) -> logits``, the model's own
     forward with its second output (posterior, trace) dropped. Exports trace this, so
-    the exported graph is the trained model's forward, not a restatement of it."""
+    the exported graph is the trained model's forward, not a restatement of it.
 
-    def __init__(self, model: nn.Module):
+    ``pad_to`` (causal models only: FoldedContext) right-pads every input to that many
+    positions and cuts the logits back: the forward then runs a fixed number of
+    segments, which a traced graph needs, and right-padding changes no earlier output
+    of a causal model."""
+
+    def __init__(self, model: nn.Module, pad_to: int | None = None):
         super().__init__()
-        self.model = model
+        self.model, self.pad_to = model, pad_to
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pad_to is not None:
+            n = tokens.shape[1]
+            torch._check(n <= self.pad_to, lambda: f"sequence length {n} exceeds max_length={self.pad_to}")
+            mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
+            # one position more than the longest input: the padding is never empty, so the
+            # traced graph has no special case at n == pad_to
+            tokens = nn.functional.pad(tokens, (0, self.pad_to + 1 - n))
+            mask = nn.functional.pad(mask, (0, self.pad_to + 1 - n), value=False)
         out = self.model(tokens, mask)
-        return out[0] if isinstance(out, tuple) else out
+        logits = out[0] if isinstance(out, tuple) else out
+        return logits if self.pad_to is None else logits[:, :n]
