@@ -283,16 +283,19 @@ def _load_onnx(path: Path) -> CheckedOnnx:
     data = _read_bytes(path, "onnx")
     try:
         proto = onnx.load_model_from_string(data)  # from bytes: external data is never opened
-        tensors = [t for graph in [proto.graph] for t in _onnx_tensors(graph)]
+        tensors = list(_onnx_tensors(proto.graph))
         for function in proto.functions:
             for node in function.node:
                 tensors += [a.t for a in node.attribute if a.HasField("t")]
-        onnx.checker.check_model(proto)
-    except Exception as error:  # protobuf's DecodeError, the checker's ValidationError
+    except Exception as error:  # protobuf's DecodeError
         raise ValueError(f"{path} is not a valid ONNX model: {error}") from None
-    for tensor in tensors:
+    for tensor in tensors:  # before the checker, which would look for those files on disk
         if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):
             raise ValueError(f"{path}: tensor {tensor.name!r} refers to external data; only self-contained files load")
+    try:
+        onnx.checker.check_model(proto)
+    except Exception as error:  # the checker's ValidationError
+        raise ValueError(f"{path} is not a valid ONNX model: {error}") from None
     props = {p.key: p.value for p in proto.metadata_props}
     try:
         meta = json.loads(props.get("probformer", "null"))

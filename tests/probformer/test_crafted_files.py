@@ -528,3 +528,173 @@ def test_damaged_folder_is_refused_or_runs(tmp_path, artefacts, model, position,
     finally:
         (folder / name).write_bytes(original)
     assert logits.shape == (3, 7, VOCAB) and bool(torch.isfinite(logits).all())
+
+
+# ---- the torch folder: JSON + safetensors, nothing else ----------------------------------
+
+
+def test_folder_refuses_symlinks_code_and_unknown_files(tmp_path, artefacts):
+    folder = write_folder(tmp_path / "f")
+    for name, content in [
+        ("model.py", b"import os"),
+        ("weights.pkl", pickle.dumps(1)),
+        ("model.pt", b"x"),
+        (".x", b""),
+    ]:
+        (folder / name).write_bytes(content)
+        assert_refused(folder, f"unexpected {name!r}")
+        (folder / name).unlink()
+    (folder / "sub").mkdir()
+    assert_refused(folder, "unexpected 'sub'")
+    (folder / "sub").rmdir()
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to(artefacts["folder"] / "config.json")
+    assert_refused(folder, "symlink")
+    (folder / "config.json").unlink()
+    assert_refused(folder, "config.json is missing", error=FileNotFoundError)
+
+
+def test_folder_weights_must_be_safetensors_matching_the_config(tmp_path, model):
+    folder = write_folder(tmp_path / "f", model=model)
+    weights = unique_state(model)
+    name = "embedding.weight"
+    cases = {
+        "pickle": None,
+        "missing": {k: v for k, v in weights.items() if k != name},
+        "unknown": {**weights, "evil": torch.zeros(1)},
+        "shape": {**weights, name: torch.zeros(3, 3)},
+        "dtype": {**weights, name: weights[name].long()},
+        "two float dtypes": {**weights, name: weights[name].double()},
+        "nan": {**weights, name: weights[name].clone().fill_(float("nan"))},
+    }
+    fragments = {"pickle": "not a readable safetensors", "missing": "missing", "unknown": "does not have"}
+    fragments.update({"shape": "shape", "dtype": "dtype", "two float dtypes": "several dtypes", "nan": "NaN"})
+    marker = tmp_path / "marker"
+    for case, state in cases.items():
+        if state is None:
+            torch.save({name: Payload(marker), "pad": torch.zeros(4000)}, folder / "model.safetensors")
+        else:
+            save_file(state, str(folder / "model.safetensors"))
+        assert_refused(folder, fragments[case])
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "meta, fragment",
+    [
+        ({"format": "probformer-torch/1", "model": "transformer"}, "keys format, model, config"),
+        ({"format": "probformer-torch/9", "model": "transformer", "config": {}}, "format must be"),
+        ({"format": reader.TORCH_FORMAT, "model": "os.system", "config": {}}, "unknown model kind"),
+        ({"format": reader.TORCH_FORMAT, "model": "transformer", "config": []}, "JSON object"),
+        ({"format": reader.TORCH_FORMAT, "model": "transformer", "config": {**TRANSFORMER, "evil": 1}}, "bad model"),
+        ({"format": reader.TORCH_FORMAT, "model": "transformer", "config": {**TRANSFORMER, "width": "16"}}, "bad"),
+        ({"format": reader.TORCH_FORMAT, "model": "transformer", "config": {**TRANSFORMER, "vocab_size": 10**12}}, ""),
+        ([1, 2], "keys format, model, config"),
+    ],
+)
+def test_folder_config_is_read_strictly(tmp_path, meta, fragment):
+    """A config describing more weights than the file holds (vocab_size=10**12) is refused
+    before the model is allocated."""
+    folder = write_folder(tmp_path / "f")
+    (folder / "config.json").write_text(json.dumps(meta))
+    assert_refused(folder, fragment)
+
+
+def test_folder_vocabulary_must_fit_the_model(tmp_path):
+    folder = write_folder(tmp_path / "f")
+    (folder / "vocabulary.json").write_text(json.dumps(["w"] * VOCAB))
+    assert reader.load(folder) is not None
+    (folder / "vocabulary.json").write_text(json.dumps(["w"] * 3))
+    assert_refused(folder, "vocab_size")
+    (folder / "vocabulary.json").write_text('{"a": 1}')
+    assert_refused(folder, "list of strings")
+
+
+# ---- ONNX: self-contained files only --------------------------------------------------------
+
+
+def test_onnx_external_data_is_refused(tmp_path, artefacts):
+    import onnx
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\0" * 4096)
+    folder = tmp_path / "onnx"
+    folder.mkdir()
+    proto = onnx.load(str(artefacts["onnx"]))
+    tensor = proto.graph.initializer[0]
+    onnx.external_data_helper.set_external_data(tensor, location="../secret.bin", offset=0, length=tensor.ByteSize())
+    tensor.ClearField("raw_data")
+    tensor.ClearField("float_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    (folder / "model.onnx").write_bytes(proto.SerializeToString())
+    assert_refused(folder / "model.onnx")  # outside the folder: the checker or the external-data check
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    proto = onnx.load(str(artefacts["onnx"]))
+    onnx.save_model(proto, str(inside / "model.onnx"), save_as_external_data=True, size_threshold=0, location="w.bin")
+    assert_refused(inside / "model.onnx", "external data")  # inside the folder: refused too
+
+
+def test_onnx_needs_the_probformer_record_and_signature(tmp_path, artefacts):
+    import onnx
+
+    proto = onnx.load(str(artefacts["onnx"]))
+    del proto.metadata_props[:]
+    onnx.save(proto, str(tmp_path / "bare.onnx"))
+    assert_refused(tmp_path / "bare.onnx", "not a probformer export")
+    proto = onnx.load(str(artefacts["onnx"]))
+    proto.graph.input[1].type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    onnx.save(proto, str(tmp_path / "signature.onnx"))
+    assert_refused(tmp_path / "signature.onnx")
+
+
+# ---- inputs to the wrappers ------------------------------------------------------------------
+
+INPUT_CASES = {
+    "float tokens": (torch.zeros(2, 3), None),
+    "bool tokens": (torch.ones(2, 3, dtype=torch.bool), None),
+    "rank 1": (torch.zeros(3, dtype=torch.long), None),
+    "rank 3": (torch.zeros(1, 2, 3, dtype=torch.long), None),
+    "int mask": (torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)),
+    "mask shape": (torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)),
+    "id too large": (torch.full((2, 3), VOCAB, dtype=torch.long), None),
+    "negative id": (torch.full((2, 3), -1, dtype=torch.long), None),
+    "empty row": (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.bool)),
+    "too long": (torch.zeros(1, 21, dtype=torch.long), None),
+    "empty": (torch.zeros(0, 3, dtype=torch.long), None),
+    "numpy": (torch.zeros(2, 3, dtype=torch.long).numpy(), None),
+}
+
+
+@pytest.fixture(scope="module")
+def loaded(artefacts):
+    return {fmt: reader.load(path) for fmt, path in artefacts.items()}
+
+
+@pytest.mark.parametrize("fmt", ["folder", "pt2", "onnx"])
+@pytest.mark.parametrize("case", sorted(INPUT_CASES))
+def test_wrappers_refuse_bad_inputs(loaded, fmt, case):
+    tokens, mask = INPUT_CASES[case]
+    with pytest.raises(ValueError):
+        loaded[fmt](tokens, mask)
+
+
+@HYPOTHESIS
+@given(
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32, torch.bool]),
+    shape=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+    low=st.integers(-3, VOCAB),
+    masked=st.booleans(),
+)
+def test_wrappers_answer_any_input_with_logits_or_value_error(loaded, model, dtype, shape, low, masked):
+    """Oracle: the source model's logits where the input is valid, else ValueError."""
+    tokens = torch.full(shape, low).to(dtype)
+    mask = (torch.rand(shape) > 0.3) if masked else None
+    for fmt in ("pt2", "onnx"):
+        try:
+            found = loaded[fmt](tokens, mask)
+        except ValueError:
+            continue
+        with torch.no_grad():
+            expected = expected_logits(model, tokens, mask)
+        assert torch.allclose(found, expected, atol=1e-5)
