@@ -2,9 +2,17 @@
 
 The model (``crf.model``) is run under ``poutine.enum`` so that every discrete
 site holds all its values in a tensor dimension of its own; the log-probabilities
-of all sites are then contracted with Pyro's tensor variable elimination
-(``pyro.ops.einsum`` / ``pyro.ops.contract`` with the log-sum-exp backend).
-Nothing here restates the CRF's formula: what the model says is what is summed.
+of all sites are then summed out one variable at a time (variable elimination in
+log space). Nothing here restates the CRF's formula: what the model says is what is
+summed.
+
+Precision: the model runs on float64 copies of the CRF's parameters (gradients still
+reach the originals) and every elimination is a log-sum-exp shifted by the maximum of
+its whole bucket, so log Z is right to float64 rounding at any finite potential.
+(Pyro's log-einsum backend shifts each operand by its own maximum, so the products of
+two shifted operands underflow to 0 at potentials of ~1e2 in float32 and ~1e3 in
+float64: log Z came out silently too small or ``-inf``.) ``log_partition`` is always
+float64; ``marginals`` returns probabilities in the CRF's dtype and log Z in float64.
 
 The cost grows like d ** N (N = tokens + virtual nodes): eliminating one head
 variable couples its node's label with every label it may attend to. ``Exact``
@@ -19,14 +27,15 @@ import opt_einsum
 import torch
 from pyro import poutine
 from pyro.infer import config_enumerate
-from pyro.ops.einsum import contract as contract_one
+from pyro.ops.special import safe_log
 from pyro.poutine.util import site_is_subsample
+from torch import nn
 
 from inference.posterior import Posterior
 
 __all__ = ["Exact"]
 
-_LOG_BACKEND = "pyro.ops.einsum.torch_log"
+_MAX_BUCKET = 2**26  # entries (batch included) of the largest joint factor elimination may build
 
 
 class Exact:
@@ -38,13 +47,15 @@ class Exact:
     """
 
     def __init__(self, crf, max_configurations: int = 2**16):
-        if max_configurations < 1:
-            raise ValueError(f"max_configurations must be >= 1, got {max_configurations}")
+        if not callable(getattr(crf, "model", None)) or not isinstance(crf, nn.Module):
+            raise TypeError(f"crf must be a graphs.CRF, got {type(crf).__name__}")
+        if isinstance(max_configurations, bool) or not isinstance(max_configurations, int) or max_configurations < 1:
+            raise ValueError(f"max_configurations must be >= 1 (an integer), got {max_configurations!r}")
         self.crf = crf
         self.max_configurations = max_configurations
 
     def log_partition(self, tokens, mask=None) -> torch.Tensor:
-        """``[B]`` exact log Z of each sentence."""
+        """``[B]`` exact log Z of each sentence, float64 whatever the CRF's dtype."""
         factors, _, letters = self._factors(tokens, mask)
         return _eliminate(factors, letters)
 
@@ -67,7 +78,8 @@ class Exact:
                 )
             log_z = _eliminate(factors + list(probes.values()), letters + [sites[k] + _BATCH for k in probes])
             grads = torch.autograd.grad(log_z.sum(), list(probes.values()))
-        probs = {name: grad.T for name, grad in zip(probes, grads)}  # [B, size]
+        dtype = self.crf.unary.dtype  # probabilities need no float64 range: back to the CRF's dtype
+        probs = {name: grad.T.to(dtype) for name, grad in zip(probes, grads)}  # [B, size]
 
         n = tokens.shape[1]
         N, C = self.crf.topology.num_nodes(n), self.crf.channels
@@ -102,9 +114,7 @@ class Exact:
                 f"{configurations} label configurations, above max_configurations="
                 f"{self.max_configurations}; use shorter inputs, fewer labels, or inference.Gibbs"
             )
-        model = poutine.enum(config_enumerate(self.crf.model, "parallel"), first_available_dim=-2)
-        trace = poutine.trace(model).get_trace(tokens, mask)
-        trace.compute_log_prob()
+        trace = _trace_in_float64(self.crf, tokens, mask)
 
         factors, letters, sites = [], [], {}
         for name, site in trace.nodes.items():
@@ -122,6 +132,32 @@ class Exact:
             letters.append("".join(_letter(k) for k in keep) + _BATCH)
         sites = {name: _letter(k) for name, k in sites.items()}
         return factors, sites, letters
+
+
+class _EnumeratedModel(nn.Module):
+    """The CRF's enumerated Pyro model as a module call, so that torch.func.functional_call
+    can run it on float64 copies of the parameters."""
+
+    def __init__(self, crf):
+        super().__init__()
+        self.crf = crf
+
+    def forward(self, tokens, mask):
+        model = poutine.enum(config_enumerate(self.crf.model, "parallel"), first_available_dim=-2)
+        trace = poutine.trace(model).get_trace(tokens, mask)
+        trace.compute_log_prob()
+        return trace
+
+
+def _trace_in_float64(crf, tokens, mask):
+    """Trace of the enumerated model with every floating parameter and buffer cast up to
+    float64 (differentiably): the potentials (e.g. the ternary table u v^T) are then built
+    and summed without float32 rounding."""
+    wide = {
+        f"crf.{name}": t.double() if t.is_floating_point() else t
+        for name, t in [*crf.named_parameters(), *crf.named_buffers()]
+    }
+    return torch.func.functional_call(_EnumeratedModel(crf), wide, (tokens, mask))
 
 
 def _eliminate(factors: list[torch.Tensor], letters: list[str]) -> torch.Tensor:
@@ -143,13 +179,37 @@ def _eliminate(factors: list[torch.Tensor], letters: list[str]) -> torch.Tensor:
         letter = min(sorted(remaining), key=cost)
         remaining.discard(letter)
         bucket = [i for i, ls in enumerate(letters) if letter in ls]
+        joint = math.prod(size[x] for x in set().union(*(letters[i] for i in bucket)))
+        if joint > _MAX_BUCKET:
+            raise ValueError(
+                f"Exact elimination would build a factor of {joint} entries (batch included), above "
+                f"{_MAX_BUCKET}; use a smaller batch, shorter inputs, or inference.Gibbs"
+            )
         out = "".join(sorted(set().union(*(letters[i] for i in bucket)) - {letter} - {_BATCH})) + _BATCH
-        equation = ",".join(letters[i] for i in bucket) + "->" + out
-        new = contract_one(equation, *(factors[i] for i in bucket), backend=_LOG_BACKEND)
+        new = _log_sum_product([factors[i] for i in bucket], [letters[i] for i in bucket], out)
         factors = [f for i, f in enumerate(factors) if i not in bucket] + [new]
         letters = [ls for i, ls in enumerate(letters) if i not in bucket] + [out]
-    equation = ",".join(letters) + "->" + _BATCH
-    return contract_one(equation, *factors, backend=_LOG_BACKEND)
+    return _log_sum_product(factors, letters, _BATCH)
+
+
+def _log_sum_product(factors: list[torch.Tensor], letters: list[str], out: str) -> torch.Tensor:
+    """``log sum exp(sum of factors)`` over every letter not in ``out``, as a tensor with
+    letters ``out``. The bucket's joint is built in full (tiny CRFs only) and shifted by
+    its own maximum over the summed letters, so no product of separately shifted terms can
+    underflow: exact to rounding for potentials of any size."""
+    joint = sorted(set().union(*letters) - {_BATCH}) + [_BATCH]
+    total = 0
+    for f, ls in zip(factors, letters):
+        present = [x for x in joint if x in ls]
+        f = f.permute([ls.index(x) for x in present])
+        total = total + f.reshape([f.shape[present.index(x)] if x in ls else 1 for x in joint])
+    summed = [i for i, x in enumerate(joint) if x not in out]
+    if summed:
+        # a slice that is all -inf (impossible) keeps a finite shift and sums to log 0 = -inf
+        shift = total.detach().amax(summed, keepdim=True).clamp(min=torch.finfo(total.dtype).min)
+        total = (shift + safe_log((total - shift).exp().sum(summed, keepdim=True))).squeeze(summed)
+    kept = [x for x in joint if x in out]
+    return total.permute([kept.index(x) for x in out])
 
 
 def _letter(dim: int) -> str:
