@@ -1,17 +1,163 @@
 """What every config shares: validated integer keys, ``from_dict`` that rejects
 unknown keys and values of the wrong type (naming the key), ``to_dict`` for
-checkpoints."""
+checkpoints, and the size limits (``LIMITS``, ``MAX_PARAMETERS``, ``MAX_FLOAT``) that
+every config enforces before a model is built."""
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from dataclasses import MISSING, asdict, fields
 
-__all__ = ["ConfigMixin"]
+from graphs import topology as topologies
+
+__all__ = ["ConfigMixin", "LIMITS", "MAX_FLOAT", "MAX_PARAMETERS"]
+
+# The most each integer key may be (issue 17: sizes whose memory or time would be absurd are
+# refused before anything is allocated). Generous: each is far beyond any model or run we
+# train, and finite. A key that is not listed may be at most DEFAULT_LIMIT.
+LIMITS: dict[str, int] = {
+    # vocabularies and outputs: rows of an embedding or a decoder
+    "vocab_size": 2**24,
+    "num_classes": 2**24,
+    "vocabulary": 2**24,  # data.vocabulary
+    # widths
+    "width": 2**16,
+    "labels": 2**16,
+    "mup_base_width": 2**16,
+    "ffn_width": 2**18,
+    "rank": 2**14,
+    "global_labels": 2**20,
+    "memory_topk": 2**16,
+    # heads, channels, depth
+    "heads": 2**10,
+    "channels": 2**10,
+    "layers": 2**10,
+    "local_layers": 2**10,
+    "global_layers": 2**10,
+    "local_rounds": 2**6,
+    "iterations": 10_000,  # inference.MeanField's own limit
+    "ternary_blocks": 2**10,
+    "resample_every": 2**10,
+    # lengths and distances
+    "max_length": 2**20,
+    "segment": 2**16,
+    "window": 2**20,
+    "gamma": 2**12,
+    "span_max": 2**20,
+    "span_ramp": 2**20,
+    "clusters": 2**14,  # graphs.topology.clusters' own limit
+    # training (probformer.training.run_config)
+    "seed": 2**63 - 1,
+    "batch_size": 2**20,
+    "epochs": 10**6,
+    "steps": 2**40,
+    "warmup_steps": 2**40,
+    "eval_every": 2**40,
+    "eval_sentences": 2**31,
+    "checkpoint_every": 2**40,
+    "log_every": 2**40,
+    "threads": 2**12,
+    "train_sentences": 2**31,
+    "valid_sentences": 2**31,
+}
+DEFAULT_LIMIT = 2**31
+MAX_FLOAT = 1e6  # every number-valued key (and every number in a dict key) is finite, |x| <= this
+MAX_PARAMETERS = 2**31  # the estimated parameter count (estimated_parameters): 8 GiB of float32
 
 
 class ConfigMixin:
+    """Config dataclasses inherit this. Each subclass's ``__post_init__`` is wrapped so that,
+    whatever the subclass checks itself, the config first refuses
+
+    - an integer key above its maximum in ``LIMITS`` (``DEFAULT_LIMIT`` if unlisted):
+      vocab_size, num_classes, vocabulary 2**24; width, labels, mup_base_width 2**16;
+      ffn_width 2**18; rank 2**14; global_labels 2**20; memory_topk 2**16; heads,
+      channels, layers, local_layers, global_layers, ternary_blocks, resample_every 2**10;
+      local_rounds 64; iterations 10000; max_length, window, span_max, span_ramp 2**20;
+      segment 2**16; gamma 4096; clusters 2**14; training: batch_size 2**20, epochs
+      10**6, steps and the *_every / warmup counts 2**40, threads 4096, seed 2**63 - 1;
+    - a number-valued key (dropout, temperature, jitter, lr, ...; the numbers of a dict
+      key such as ``weights``) that is NaN, infinite or larger than ``MAX_FLOAT`` = 1e6
+      in magnitude;
+    - a ``topology`` whose arguments exceed ``graphs.topology``'s limits (clusters k <=
+      2**14, window w and segments l <= 2**20);
+
+    and, after the subclass's own checks, a config whose estimated parameter count
+    (``estimated_parameters``) exceeds ``MAX_PARAMETERS`` = 2**31. Each error names the key
+    and the limit. Nothing is allocated: these run on the config's numbers alone.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__post_init__")
+        if own is None or getattr(own, "checks_limits", False):
+            return
+
+        def __post_init__(self):
+            self.check_limits()
+            own(self)
+            self.check_size()
+
+        __post_init__.checks_limits = True
+        __post_init__.__doc__ = own.__doc__
+        cls.__post_init__ = __post_init__
+
+    def check_limits(self) -> None:
+        """Every integer key within ``LIMITS``, every number finite and within ``MAX_FLOAT``.
+        Values of the wrong type are left to the subclass's checks, which name them."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, int):
+                limit = LIMITS.get(f.name, DEFAULT_LIMIT)
+                if value > limit:
+                    raise ValueError(f"config key {f.name!r} must be <= {limit} (the limit), got {value!r}")
+            elif isinstance(value, float):
+                _check_float(f.name, value)
+            elif f.name == "topology" and isinstance(value, str):
+                _check_topology(value)
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    if isinstance(item, int | float) and not isinstance(item, bool):
+                        _check_float(f"{f.name}.{key}", float(item))
+
+    def estimated_parameters(self) -> int:
+        """An estimate of the parameters of the model this config builds, from the keys it
+        has: embeddings and decoder (vocab_size or num_classes rows), positions, attention
+        blocks (4 w^2 + 2 w f each), cluster keys, the PT's ternary tables (2 (gamma + 1) + 1
+        groups of channels x labels x rank, twice) and global labels. Within ~10% of the
+        real count for every model kind; above it for the smaller CP and Tucker forms."""
+        get = {f.name: getattr(self, f.name) for f in fields(self)}
+
+        def number(name: str) -> int:
+            value = get.get(name, 0)
+            return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+        width = max(number("width"), number("labels"))
+        outputs = number("vocab_size") if get.get("task", "mlm") == "mlm" else number("num_classes")
+        # a SwarmFormer layer is its local blocks plus about one block of routing and clusters
+        blocks = number("layers") * (number("local_rounds") + 1) + number("local_layers") + number("global_layers")
+        groups = 2 * (number("gamma") + 1) + 1
+        ternary = 2 * groups * number("channels") * number("labels") * number("rank")
+        return (
+            (number("vocab_size") + outputs + number("max_length") + number("segment")) * width
+            + blocks * (4 * width * width + 2 * width * number("ffn_width"))
+            + number("clusters") * width * max(1, number("layers"))
+            + ternary
+            + number("global_labels") * number("labels")
+        )
+
+    def check_size(self) -> None:
+        estimate = self.estimated_parameters()
+        if estimate > MAX_PARAMETERS:
+            raise ValueError(
+                f"config {type(self).__name__} would build about {estimate:,} parameters, more than the limit "
+                f"{MAX_PARAMETERS:,} (2**31): reduce its sizes (vocab_size, width/labels, layers, ffn_width, ...)"
+            )
+
     def check_integers(self, minimums: dict[str, int]) -> None:
         for name, minimum in minimums.items():
             value = getattr(self, name)
@@ -87,3 +233,19 @@ def _describe(hint) -> str:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(arm) for arm in typing.get_args(hint))
     return getattr(hint, "__name__", str(hint))
+
+
+def _check_float(name: str, value: float) -> None:
+    if not math.isfinite(value) or abs(value) > MAX_FLOAT:
+        raise ValueError(
+            f"config key {name!r} must be a finite number with |value| <= {MAX_FLOAT:g} (the limit), got {value!r}"
+        )
+
+
+def _check_topology(spec: str) -> None:
+    """A topology's arguments have their limits in ``graphs.topology`` (clusters, window,
+    segments): parsing it checks them without building a mask."""
+    try:
+        topologies.parse(spec)
+    except ValueError as error:
+        raise ValueError(f"config key 'topology': {error}") from None
