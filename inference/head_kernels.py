@@ -35,9 +35,12 @@ import torch.nn.functional as F
 
 __all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available"]
 
-_MASKED = -1e9  # finite "minus infinity" inside fused kernels: exp() of it is exactly 0
+# finite "minus infinity" inside fused kernels: exp() of it is exactly 0, and it stays far
+# below any score float32 can still tell apart (potentials of 1e8 and beyond), yet twice or
+# four times it is still far from float32's largest number (3.4e38)
+_MASKED = -1e30
 # inside the far attentions (see _attention): the score of a row's sink key, and the bias of
-# keys a row must ignore; 1e9 apart, far beyond any rounding of either in float32 or bf16
+# keys a row must ignore; 1e30 apart, beyond any rounding of either
 _SINK = _MASKED
 _ABSENT = 2 * _MASKED
 
@@ -197,14 +200,15 @@ def _attention(q, k, v, key_bias, scale, *, is_causal=False, attn_mask=None):
     real key has lse = _SINK + log(#sinks) computed from exactly the same numbers in the
     forward and the backward, so exp(score - lse) is 0 or <= 1, never an overflow from
     cancelling two rounded -1e9s; and on a row with real keys the sink weighs exp(-1e9) = 0."""
-    q = torch.cat([q, torch.ones_like(q[..., :1])], -1)
-    k = torch.cat([k, (key_bias / scale).unsqueeze(-1).to(k.dtype)], -1)
+    # the scale goes into q (not 1/scale into the bias column): any finite scale, 0 included
+    q = torch.cat([scale * q, torch.ones_like(q[..., :1])], -1)
+    k = torch.cat([k, key_bias.unsqueeze(-1).to(k.dtype)], -1)
     width = v.shape[-1]
     v = F.pad(v, (0, q.shape[-1] - width))  # the kernel wants equal head sizes
     if fused_available(q.device):
-        out, lse = _FlashWithLse.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, is_causal, attn_mask)
+        out, lse = _FlashWithLse.apply(q.contiguous(), k.contiguous(), v.contiguous(), 1.0, is_causal, attn_mask)
     else:  # materialising fallback on other devices (correct, not memory-linear)
-        scores = scale * (q @ k.transpose(-1, -2))
+        scores = q @ k.transpose(-1, -2)
         if is_causal:
             scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), _ABSENT)
         if attn_mask is not None:
@@ -343,8 +347,10 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         key_bias = torch.where(token_nodes, -lse_tokens, _ABSENT)
         q_k, key_k, v_rev = (_heads(t, k)[..., :n, :] for t in (key, query, value_rev))
         out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, gamma + 1, mask)
-        # a padding head has no dependent: drop its row before exp() (its raw scores may be huge)
-        lse_rev = torch.where(token_nodes, lse_rev, _MASKED)
+        # a padding head has no dependent: drop its row before exp() (its raw scores may be huge).
+        # lse_rev = log sum_j P(j -> i) <= log n exactly, but each term is exp(score - lse_j)
+        # with lse_j rounded elsewhere: past ~1e7 in float32 that can overflow, so cap it
+        lse_rev = torch.where(token_nodes, lse_rev.clamp(max=math.log(n)), _MASKED)
         reverse[k] = reverse[k] + F.pad(lse_rev.exp()[..., None] * out_rev, (0, 0, 0, m))
     if m:
         p_cols = (virtual_cols - lse_tokens[..., None]).exp()  # [B, C, n, m]
