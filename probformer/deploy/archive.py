@@ -258,8 +258,10 @@ def _payloads(config, folder: str, entries: dict[str, bytes], where) -> dict[str
             raise ValueError(f"{where}: {folder} entry {fqn!r} points to {path_name!r}, not a raw tensor entry")
         if set(meta) != _META_KEYS or meta["device"] != {"type": "cpu", "index": None} or meta["layout"] != _STRIDED:
             raise ValueError(f"{where}: {folder} entry {fqn!r} is not a strided CPU tensor")
-        if meta["dtype"] not in DTYPES or type(meta["requires_grad"]) is not bool:
+        if type(meta["dtype"]) is not int or meta["dtype"] not in DTYPES or type(meta["requires_grad"]) is not bool:
             raise ValueError(f"{where}: {folder} entry {fqn!r} has dtype code {meta['dtype']!r}; allowed: {DTYPES}")
+        if not (isinstance(meta["sizes"], list) and isinstance(meta["strides"], list)):
+            raise ValueError(f"{where}: {folder} entry {fqn!r} has no list of sizes and strides")
         shape = tuple(_as_int(size, f"a size of {fqn!r}", where) for size in meta["sizes"])
         strides = [_as_int(stride, f"a stride of {fqn!r}", where) for stride in meta["strides"]]
         if any(size < 0 for size in shape) or math.prod(shape) > MAX_ELEMENTS:
@@ -385,12 +387,18 @@ def _check_spec(text, where) -> None:
     spec = _json(text.encode() if isinstance(text, str) else b"", "a pytree spec", where)
 
     def types(node):
-        if isinstance(node, dict):
-            yield node.get("type")
-            for child in node.get("children_spec", []):
-                yield from types(child)
+        if not isinstance(node, dict) or not isinstance(node.get("children_spec", []), list):
+            yield "malformed"
+            return
+        yield node.get("type")
+        for child in node.get("children_spec", []):
+            yield from types(child)
 
-    if not (isinstance(spec, list) and len(spec) == 2 and set(types(spec[1])) <= _SPEC_TYPES):
+    try:
+        accepted = isinstance(spec, list) and len(spec) == 2 and set(types(spec[1])) <= _SPEC_TYPES
+    except (TypeError, RecursionError):  # unhashable "type" values, absurd nesting
+        accepted = False
+    if not accepted:
         raise ValueError(
             f"{where}: the program's input/output spec names types other than {sorted(_SPEC_TYPES, key=str)}"
         )

@@ -42,17 +42,22 @@ def load(path):
     as ``model(tokens, mask) -> logits``; ``ValueError`` for anything that is not exactly
     what probformer writes, ``FileNotFoundError`` when nothing is there."""
     path = Path(path)
-    if path.is_dir():
-        return _load_folder(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no exported model at {path}")
-    with path.open("rb") as file:
-        magic = file.read(4)
-    if magic == b"PK\x03\x04":
-        return _load_exported(path)
-    if path.suffix != ".onnx":
-        raise ValueError(f"{path}: neither a folder, a .pt2 (zip) archive nor an .onnx file")
-    return _load_onnx(path)
+    try:
+        if path.is_dir():
+            return _load_folder(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no exported model at {path}")
+        with path.open("rb") as file:
+            magic = file.read(4)
+        if magic == b"PK\x03\x04":
+            return _load_exported(path)
+        if path.suffix != ".onnx":
+            raise ValueError(f"{path}: neither a folder, a .pt2 (zip) archive nor an .onnx file")
+        return _load_onnx(path)
+    except FileNotFoundError:
+        raise
+    except OSError as error:  # unreadable: permissions, a file removed while loading
+        raise ValueError(f"{path}: cannot be read: {error}") from None
 
 
 # ---- shared checks ----------------------------------------------------------------------
@@ -82,12 +87,17 @@ def _model_of(meta, expected_format: str, where, device: str = "meta"):
     """A freshly built model from a ``{"format", "model", "config"}`` record: the format,
     the kind (``registry.KINDS``) and every config value (by the config class) checked.
     On the meta device by default: shapes, dtypes and shared tensors without allocating."""
-    if not isinstance(meta, dict) or set(meta) != {"format", "model", "config"}:
+    # traced formats add "max_length": the longest input the graph was traced for (or null)
+    keys = {"format", "model", "config"} | ({"max_length"} if expected_format != TORCH_FORMAT else set())
+    if not isinstance(meta, dict) or not {"format", "model", "config"} <= set(meta) <= keys:
         found = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{where}: the probformer record must have keys format, model, config; got {found}")
+        raise ValueError(f"{where}: the probformer record must have keys {sorted(keys)}; got {found}")
+    limit = meta.get("max_length")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"{where}: max_length must be null or an integer >= 1, got {limit!r}")
     if meta["format"] != expected_format:
         raise ValueError(f"{where}: format must be {expected_format!r}, got {meta['format']!r}")
-    if meta["model"] not in registry.KINDS:
+    if not isinstance(meta["model"], str) or meta["model"] not in registry.KINDS:
         raise ValueError(f"{where}: unknown model kind {meta['model']!r}; known: {sorted(registry.KINDS)}")
     if not isinstance(meta["config"], dict):
         raise ValueError(f"{where}: config must be a JSON object, got {type(meta['config']).__name__}")
@@ -166,7 +176,7 @@ def _folder_files(folder: Path) -> dict[str, Path]:
 
 def _load_folder(folder: Path) -> torch.nn.Module:
     from safetensors import SafetensorError
-    from safetensors.torch import load as load_safetensors
+    from safetensors.torch import load_file
 
     files = _folder_files(folder)
     meta, where = _read_json(files["config.json"]), files["model.safetensors"]
@@ -177,7 +187,9 @@ def _load_folder(folder: Path) -> torch.nn.Module:
         )
     model = _model_of(meta, TORCH_FORMAT, files["config.json"], device="cpu")
     try:
-        weights = load_safetensors(_read_bytes(where, "safetensors"))
+        if where.stat().st_size > LIMITS["safetensors"]:
+            raise ValueError(f"{where}: larger than {LIMITS['safetensors']} bytes")
+        weights = load_file(str(where))  # memory-mapped; a regular file (checked by _folder_files)
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise ValueError(f"{where} is not a readable safetensors file: {error}") from None
     dtype = check_weights({k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}, model, where, True)
@@ -213,11 +225,12 @@ class CheckedProgram:
     checks the graph cannot make (integer ids ``[B, n]``, a bool mask of the same shape,
     ids in ``[0, vocab_size)``, a real token per row, n <= max_length)."""
 
-    def __init__(self, run, config: dict, where):
+    def __init__(self, run, config: dict, where, max_length: int | None = None):
         self.run, self.config, self.where = run, config, str(where)
+        self.max_length = max_length or config.get("max_length")
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        tokens, mask = check_token_inputs(tokens, mask, self.config["vocab_size"], self.config.get("max_length"))
+        tokens, mask = check_token_inputs(tokens, mask, self.config["vocab_size"], self.max_length)
         return self.run(tokens, mask)
 
 
@@ -242,7 +255,7 @@ def _load_exported(path: Path) -> CheckedProgram:
         graph = program.module()
     except Exception as error:  # torch raises many types on programs it cannot rebuild
         raise ValueError(f"{path}: torch.export cannot rebuild the program: {error}") from None
-    return CheckedProgram(graph.requires_grad_(False), contents.meta["config"], path)
+    return CheckedProgram(graph.requires_grad_(False), contents.meta["config"], path, contents.meta.get("max_length"))
 
 
 # ---- ONNX --------------------------------------------------------------------------------
@@ -253,7 +266,7 @@ class CheckedOnnx(CheckedProgram):
     (the logits come back on the tokens' device)."""
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        tokens, mask = check_token_inputs(tokens, mask, self.config["vocab_size"], self.config.get("max_length"))
+        tokens, mask = check_token_inputs(tokens, mask, self.config["vocab_size"], self.max_length)
         feed = {"tokens": tokens.cpu().numpy(), "mask": mask.cpu().numpy()}
         try:
             (logits,) = self.run.run(None, feed)
@@ -314,7 +327,7 @@ def _load_onnx(path: Path) -> CheckedOnnx:
         session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     except Exception as error:  # onnxruntime's own error types
         raise ValueError(f"{path}: onnxruntime cannot open it: {error}") from None
-    return CheckedOnnx(session, meta["config"], path)
+    return CheckedOnnx(session, meta["config"], path, meta.get("max_length"))
 
 
 def _check_onnx_signature(proto, path: Path) -> None:

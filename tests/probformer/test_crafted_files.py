@@ -582,14 +582,14 @@ def test_folder_weights_must_be_safetensors_matching_the_config(tmp_path, model)
 @pytest.mark.parametrize(
     "meta, fragment",
     [
-        ({"format": "probformer-torch/1", "model": "transformer"}, "keys format, model, config"),
+        ({"format": "probformer-torch/1", "model": "transformer"}, "must have keys"),
         ({"format": "probformer-torch/9", "model": "transformer", "config": {}}, "format must be"),
         ({"format": reader.TORCH_FORMAT, "model": "os.system", "config": {}}, "unknown model kind"),
         ({"format": reader.TORCH_FORMAT, "model": "transformer", "config": []}, "JSON object"),
         ({"format": reader.TORCH_FORMAT, "model": "transformer", "config": {**TRANSFORMER, "evil": 1}}, "bad model"),
         ({"format": reader.TORCH_FORMAT, "model": "transformer", "config": {**TRANSFORMER, "width": "16"}}, "bad"),
         ({"format": reader.TORCH_FORMAT, "model": "transformer", "config": {**TRANSFORMER, "vocab_size": 10**12}}, ""),
-        ([1, 2], "keys format, model, config"),
+        ([1, 2], "must have keys"),
     ],
 )
 def test_folder_config_is_read_strictly(tmp_path, meta, fragment):
@@ -698,3 +698,57 @@ def test_wrappers_answer_any_input_with_logits_or_value_error(loaded, model, dty
         with torch.no_grad():
             expected = expected_logits(model, tokens, mask)
         assert torch.allclose(found, expected, atol=1e-5)
+
+
+# ---- structure-aware damage: any JSON value replaced by any other ------------------------
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def json_paths(node, path=()):
+    yield path
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        yield from json_paths(child, (*path, key))
+
+
+def replaced(node, path, value):
+    if not path:
+        return value
+    copy = dict(node) if isinstance(node, dict) else list(node)
+    copy[path[0]] = replaced(node[path[0]], path[1:], value)
+    return copy
+
+
+@HYPOTHESIS
+@given(
+    which=st.sampled_from(["weights_config.json", "constants_config.json", "probformer.json", "models/model.json"]),
+    index=st.integers(0, 10**6),
+    value=JSON_VALUES,
+)
+def test_any_json_value_of_a_pt2_replaced_is_refused_or_unchanged(tmp_path, artefacts, model, which, index, value):
+    entries = entries_of(artefacts["pt2"])
+    name = key(entries, which)
+    document = json.loads(entries[name])
+    paths = list(json_paths(document))
+    entries[name] = json.dumps(replaced(document, paths[index % len(paths)], value)).encode()
+    outcome(write_torch_archive(tmp_path / "edited.pt2", entries), model)
+
+
+@HYPOTHESIS
+@given(index=st.integers(0, 10**6), value=JSON_VALUES)
+def test_any_json_value_of_a_folder_config_replaced_is_refused_or_unchanged(tmp_path, artefacts, model, index, value):
+    folder = tmp_path / "edited"
+    if not folder.exists():
+        write_folder(folder, model=model)
+    document = json.loads((artefacts["folder"] / "config.json").read_text())
+    paths = list(json_paths(document))
+    (folder / "config.json").write_text(json.dumps(replaced(document, paths[index % len(paths)], value)))
+    try:
+        outcome(folder, model)
+    except AssertionError:  # a changed config value that builds the same shapes (dropout, norm...) may differ
+        pass
