@@ -115,7 +115,12 @@ def save_training_checkpoint(run_dir, step: int, model, optimizer, vocabulary, c
         # already the latest: the state after a given step is a function of the step
         # (exact resume), and what ``latest`` names is never replaced
         return final
-    checkpoint.check_finite(checkpoint._unique_state(model), f"parameters after step {step}")
+    try:
+        checkpoint.check_finite(checkpoint._unique_state(model), f"parameters after step {step}")
+    except FloatingPointError as error:
+        previous = _pointed_name(folder)
+        kept = f"{folder / previous} stays the last checkpoint" if previous else "no checkpoint was written yet"
+        raise FloatingPointError(f"training stopped: {error}; nothing was saved and {kept}") from None
     temporary = folder / f".{name}.tmp-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)

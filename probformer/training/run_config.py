@@ -11,6 +11,7 @@ wrong types and out-of-range values are errors naming ``table.key``).
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +24,9 @@ __all__ = [
     "TrainConfig",
     "RunConfig",
     "load",
-    "check_model_size",
     "SOURCES",
     "TASKS",
     "SCHEDULES",
-    "MAX_PARAMETERS",
 ]
 
 SOURCES = ("ptb", "ewt")  # or a path to a text file / folder
@@ -36,7 +35,8 @@ CAUSAL_MODELS = ("folded_context",)  # the models that may learn next-token pred
 SCHEDULES = ("linear", "cosine", "constant")
 # Limits far beyond any run this library is for, but below what would exhaust memory or
 # time before the first step: a typo (an extra zero, 1e9 for 1e-3) is refused, naming the key.
-MAX_PARAMETERS = 2_000_000_000  # 8 GB of float32 weights, 32 GB with AdamW's moments
+# (ConfigMixin's generic LIMITS apply first; these are the run config's own, tighter ones.
+# The model's size is refused by its config class, from an estimate: nothing is allocated.)
 _DATA_RANGES = {
     "max_length": (1, 16_384),
     "vocabulary": (4, 1_000_000),
@@ -150,8 +150,8 @@ class RunConfig:
                 raise ValueError(f"config key 'model.{filled}' is set from the data; remove it")
         config = cls(
             model=dict(model),
-            data=DataConfig.from_dict(values.get("data", {}), "data"),
-            train=TrainConfig.from_dict(values.get("train", {}), "train"),
+            data=_in_section("data", lambda: DataConfig.from_dict(values.get("data", {}), "data")),
+            train=_in_section("train", lambda: TrainConfig.from_dict(values.get("train", {}), "train")),
         )
         causal = model["kind"] in CAUSAL_MODELS
         if causal != (config.data.task == "lm"):
@@ -160,8 +160,8 @@ class RunConfig:
                 f"{list(CAUSAL_MODELS)}, and those models learn only 'lm'; got model.kind={model['kind']!r} "
                 f"with data.task={config.data.task!r}"
             )
-        # validate the model keys now, at the largest vocabulary the data may give
-        check_model_size(config.kind, config.model_config(vocab_size=config.data.vocabulary + 8, num_classes=2))
+        # validate the model keys (and the model's size) now, at the largest vocabulary the data may give
+        config.model_config(vocab_size=config.data.vocabulary + 8, num_classes=2)
         return config
 
     def model_config(self, vocab_size: int, num_classes: int = 0):
@@ -172,24 +172,16 @@ class RunConfig:
             keys["task"], keys["num_classes"] = "tagging", num_classes
         if "max_length" in config_cls.__dataclass_fields__ and "max_length" not in keys:
             keys["max_length"] = self.data.max_length
-        return config_cls.from_dict(keys, "model")
+        return _in_section("model", lambda: config_cls.from_dict(keys, "model"))
 
 
-def check_model_size(kind: str, model_config) -> int:
-    """The parameter count of the model ``model_config`` describes, counted on the meta
-    device (nothing allocated); ``ValueError`` above ``MAX_PARAMETERS``."""
-    import torch
-
-    _, model_cls = registry.classes(kind)
-    with torch.device("meta"):
-        model = model_cls(model_config)
-    count = sum(p.numel() for p in model.parameters())
-    if count > MAX_PARAMETERS:
-        raise ValueError(
-            f"config table [model] describes a {kind} with {count:,} parameters, above the limit of "
-            f"{MAX_PARAMETERS:,}; lower its sizes (or data.vocabulary)"
-        )
-    return count
+def _in_section(section: str, build):
+    """``build()``, with the keys named in its errors put in their table: the config
+    classes name ``'lr'``, a run config's user wrote ``train.lr``."""
+    try:
+        return build()
+    except ValueError as error:
+        raise ValueError(re.sub(r"config key '(?![a-z]+\.)(\w+)'", rf"config key '{section}.\1'", str(error))) from None
 
 
 def load(path) -> RunConfig:

@@ -101,7 +101,6 @@ class Trainer:
                 )
         torch.manual_seed(config.train.seed)
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
-        run_config.check_model_size(config.kind, model_config)
         _, model_cls = registry.classes(config.kind)
         self.model = model_cls(model_config)
         self.parameters = sum(p.numel() for p in self.model.parameters())

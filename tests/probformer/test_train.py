@@ -4,6 +4,7 @@ caught before anything is written, tasks and data sources, evaluate."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -309,3 +310,177 @@ def test_lm_targets_are_the_next_real_token():
 def test_next_token_prediction_needs_a_causal_model(kind, task):
     with pytest.raises(ValueError, match="causal model"):
         run_config.RunConfig.from_dict({"model": {"kind": kind}, "data": {"task": task}, "train": {}})
+
+
+# ---- sizes and values refused by the run config, before any folder -------------------------
+
+
+NOT_FINITE = "must be a finite number with |value| <= 1e+06 (the limit)"  # ConfigMixin's check, first
+
+
+@pytest.mark.parametrize(
+    "table,key,value,limit",
+    [
+        ("train", "lr", math.inf, NOT_FINITE),
+        ("train", "lr", math.nan, NOT_FINITE),
+        ("train", "lr", -1e-3, "must be a finite number in (0, 10]"),
+        ("train", "lr", 0, "must be a finite number in (0, 10]"),
+        ("train", "lr", 100.0, "must be a finite number in (0, 10]"),
+        ("train", "weight_decay", math.nan, NOT_FINITE),
+        ("train", "clip", math.inf, NOT_FINITE),
+        ("train", "batch_size", 10**5, "must be an integer in [1, 65,536]"),
+        ("train", "batch_size", 0, "must be an integer in [1, 65,536]"),
+        ("train", "steps", 10**12, "must be an integer in [0, 100,000,000]"),
+        ("train", "epochs", 10**6, "must be an integer in [1, 100,000]"),
+        ("train", "threads", 2_000, "must be an integer in [0, 1,024]"),
+        ("train", "seed", 2**40, "must be an integer in [0, 4,294,967,295]"),
+        ("train", "seed", -1, "must be an integer in [0, 4,294,967,295]"),
+        ("train", "log_every", 0, "must be an integer in [1, 100,000,000]"),
+        ("data", "max_length", 10**5, "must be an integer in [1, 16,384]"),
+        ("data", "vocabulary", 2 * 10**6, "must be an integer in [4, 1,000,000]"),
+        ("data", "mask_rate", math.nan, NOT_FINITE),
+        ("data", "mask_rate", 1.5, "must lie in (0, 1)"),
+        ("model", "labels", 10**6, "must be <= 65536 (the limit)"),
+    ],
+)
+def test_absurd_values_are_refused_naming_the_key_and_the_limit(table, key, value, limit):
+    values = {"model": {"kind": "probabilistic_transformer"}, "data": {}, "train": {}}
+    values[table][key] = value
+    with pytest.raises(ValueError, match=rf"config key '{table}\.{key}' {re.escape(limit)}, got"):
+        run_config.RunConfig.from_dict(values)
+
+
+def test_a_model_too_large_for_the_data_vocabulary_is_refused_before_allocating():
+    # estimated from the config's numbers at the largest vocabulary data.vocabulary allows
+    values = {"model": {"kind": "probabilistic_transformer", "labels": 60_000}, "data": {"vocabulary": 10**6}}
+    with pytest.raises(ValueError, match=r"parameters, more than the limit 2,147,483,648"):
+        run_config.RunConfig.from_dict({**values, "train": {}})
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda t: t.replace("lr = 3e-3", "lr = inf"), f"config key 'train.lr' {NOT_FINITE}, got inf"),
+        (lambda t: t.replace("lr = 3e-3", "lr = 50.0"), "config key 'train.lr' must be a finite number in (0, 10]"),
+        (
+            lambda t: t.replace("labels = 16", "labels = 60000").replace("vocabulary = 400", "vocabulary = 1000000"),
+            "more than the limit 2,147,483,648",
+        ),
+        (lambda t: t.replace("channels = 2", "channels = 0"), "config key 'model.channels'"),
+    ],
+)
+def test_cli_validates_the_whole_config_before_creating_the_run_folder(tmp_path, mutate, message):
+    config = tmp_path / "bad.toml"
+    config.write_text(mutate(TINY.format(dropout=0.1, source="ptb", task="mlm", max_length=90, steps=2)))
+    out = tmp_path / "X"
+    process = cli("train", "--config", str(config), "--out", str(out), stderr=subprocess.PIPE)
+    _, error = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert message in error.decode() and "Traceback" not in error.decode()
+    assert not out.exists()
+
+
+def test_resume_of_a_missing_run_is_refused_without_creating_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        train(write_config(tmp_path, steps=2), tmp_path / "nowhere", resume=True, progress=False)
+    assert not (tmp_path / "nowhere").exists()
+
+
+# ---- non-finite numbers stop the run and keep the last good checkpoint ---------------------
+
+
+def final_weights(run: Path) -> bytes:
+    return (run / "model" / "model.safetensors").read_bytes()
+
+
+def test_a_non_finite_loss_stops_at_its_step_and_the_last_checkpoint_resumes(tmp_path, monkeypatch):
+    config = write_config(tmp_path, steps=6)
+    train(config, tmp_path / "full", progress=False)
+    trainer = Trainer(run_config.load(config), tmp_path / "run", progress=False)
+    forward = trainer.wrapped.forward
+
+    def poisoned(*args, **kwargs):  # the fifth step's logits are NaN
+        logits, output = forward(*args, **kwargs)
+        return (logits * math.nan if trainer.step == 4 else logits), output
+
+    monkeypatch.setattr(trainer.wrapped, "forward", poisoned)
+    with pytest.raises(FloatingPointError, match=r"training stopped at step 5: the loss is nan") as error:
+        trainer.run()
+    assert "step-0000004, is kept" in str(error.value)
+    assert latest_checkpoint(tmp_path / "run").name == "step-0000004"
+    assert not (tmp_path / "run" / "model").exists()
+    train(config, tmp_path / "run", resume=True, progress=False)  # from the last good checkpoint
+    assert final_weights(tmp_path / "run") == final_weights(tmp_path / "full")
+
+
+def test_non_finite_weights_after_a_step_are_never_checkpointed(tmp_path, monkeypatch):
+    trainer = Trainer(run_config.load(write_config(tmp_path, steps=6)), tmp_path / "run", progress=False)
+    step = trainer.optimizer.step
+
+    def overflowing(*args, **kwargs):
+        step(*args, **kwargs)
+        if trainer.step == 5:  # the last step's update overflows a weight (no evaluation follows it)
+            with torch.no_grad():
+                next(trainer.model.parameters()).view(-1)[0] = math.inf
+
+    monkeypatch.setattr(trainer.optimizer, "step", overflowing)
+    name = next(n for n, _ in trainer.model.named_parameters())
+    refused = rf"parameters after step 6: tensor '{re.escape(name)}' holds non-finite"
+    with pytest.raises(FloatingPointError, match=refused):
+        trainer.run()
+    assert latest_checkpoint(tmp_path / "run").name == "step-0000004"
+    assert not (tmp_path / "run" / "model").exists()
+    checkpoint.load(latest_checkpoint(tmp_path / "run"))
+
+
+# ---- failed writes: one clear error naming the path, nothing half-written -----------------------
+
+
+def stale(run: Path) -> list[str]:
+    return [p.name for p in run.rglob("*") if ".tmp" in p.name or ".old-" in p.name]
+
+
+def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    from probformer.training import checkpointing
+
+    config = write_config(tmp_path, steps=6)
+    writes, write = [], checkpointing.save_file
+
+    def filling_up(tensors, path):
+        writes.append(path)
+        if len(writes) == 2:  # the second checkpoint finds the disk full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(tensors, path)
+
+    monkeypatch.setattr(checkpointing, "save_file", filling_up)
+    with pytest.raises(checkpoint.WriteError, match=r"cannot write .*checkpoints/step-0000004: No space left") as e:
+        train(config, tmp_path / "run", progress=False)
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # one error, not a chain from inside
+    assert latest_checkpoint(tmp_path / "run").name == "step-0000002"
+    assert stale(tmp_path / "run") == []
+    monkeypatch.undo()
+    assert train(config, tmp_path / "run", resume=True, progress=False)["steps"] == 6
+
+
+def test_unwritable_checkpoint_folder_and_run_folder(tmp_path):
+    from tests.probformer.test_checkpoint import unwritable
+
+    config = write_config(tmp_path, steps=2)
+    train(config, tmp_path / "run", progress=False)
+    longer = write_config(tmp_path, name="longer.toml", steps=4)
+    with unwritable(tmp_path / "run" / "checkpoints"):
+        with pytest.raises(
+            checkpoint.WriteError, match=r"cannot write .*checkpoints/step-0000004: .*(denied|permitted)"
+        ):
+            train(longer, tmp_path / "run", resume=True, progress=False)
+        assert latest_checkpoint(tmp_path / "run").name == "step-0000002"
+    assert stale(tmp_path / "run") == []
+    assert train(longer, tmp_path / "run", resume=True, progress=False)["steps"] == 4
+    with unwritable(tmp_path / "locked") as locked:
+        process = cli("train", "--config", str(config), "--out", str(locked / "run"), stderr=subprocess.PIPE)
+        _, error = process.communicate(timeout=120)
+        assert process.returncode == 1
+        assert f"probformer train: error: cannot write {locked / 'run'}" in error.decode()
+        assert "Traceback" not in error.decode()
