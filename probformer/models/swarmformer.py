@@ -195,5 +195,8 @@ class SwarmFormer(nn.Module):
         return self.head(final, mask), hidden
 
     def diagnostic_trace(self, tokens, mask=None) -> dict:
+        """The diagnostics protocol (``probformer.diagnostics.report``): per layer the token
+        states ``hidden [L, B, n, width]`` and the routing (``assignment [B, n, C]`` ...).
+        The window attention is never materialised: the report has no attention ESS."""
         _, hidden, routes, _ = self.encode(tokens, mask)
         return {"hidden": hidden, "routing": routes}
