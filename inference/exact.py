@@ -35,7 +35,7 @@ from inference.posterior import Posterior
 
 __all__ = ["Exact"]
 
-_MAX_BUCKET = 2**26  # entries (batch included) of the largest joint factor elimination may build
+_MAX_BUCKET = 2**24  # entries (batch included) of the largest joint factor elimination may build
 
 
 class Exact:
@@ -162,34 +162,54 @@ def _trace_in_float64(crf, tokens, mask):
 
 def _eliminate(factors: list[torch.Tensor], letters: list[str]) -> torch.Tensor:
     """Sum out every enumerated variable in log space, one bucket at a time, keeping
-    the batch plate: ``[B]``. Greedy order: the variable whose bucket yields the
-    smallest factor goes first (a head variable couples its node's label with every
-    label it may attend to; summing it out early keeps factors small)."""
-    factors, letters = list(factors), list(letters)
+    the batch plate: ``[B]``. The plan is made from the shapes alone (and refused if one
+    sentence is too large) before anything is computed; the batch then goes through in
+    chunks that keep every bucket under _MAX_BUCKET entries."""
     size = {}
     for f, ls in zip(factors, letters):
         size.update(zip(ls, f.shape))
+    steps, largest = _plan(list(letters), {**size, _BATCH: 1})
+    chunk = max(1, _MAX_BUCKET // largest)
+    results = []
+    for start in range(0, size[_BATCH], chunk):
+        part, part_letters = [f[..., start : start + chunk] for f in factors], list(letters)
+        for bucket, out in steps:
+            new = _log_sum_product([part[i] for i in bucket], [part_letters[i] for i in bucket], out)
+            part = [f for i, f in enumerate(part) if i not in bucket] + [new]
+            part_letters = [ls for i, ls in enumerate(part_letters) if i not in bucket] + [out]
+        results.append(_log_sum_product(part, part_letters, _BATCH))
+    return torch.cat(results)
+
+
+def _plan(letters: list[str], size: dict[str, int]) -> tuple[list[tuple[list[int], str]], int]:
+    """Elimination steps as (indices of the factors in the bucket, letters of the new
+    factor), and the entries of the largest bucket. Greedy order: the variable whose
+    bucket yields the smallest factor goes first (a head variable couples its node's label
+    with every label it may attend to; summing it out early keeps factors small). Each
+    bucket's joint is built in full, so refuse a plan whose largest exceeds _MAX_BUCKET."""
     remaining = set("".join(letters)) - {_BATCH}
 
     def cost(letter):
         joined = set().union(*(ls for ls in letters if letter in ls)) - {letter}
         return math.prod(size[x] for x in joined)
 
+    steps, largest = [], 1
     while remaining:
         letter = min(sorted(remaining), key=cost)
         remaining.discard(letter)
         bucket = [i for i, ls in enumerate(letters) if letter in ls]
-        joint = math.prod(size[x] for x in set().union(*(letters[i] for i in bucket)))
-        if joint > _MAX_BUCKET:
+        joined = set().union(*(letters[i] for i in bucket))
+        entries = math.prod(size[x] for x in joined)
+        if entries > _MAX_BUCKET:
             raise ValueError(
-                f"Exact elimination would build a factor of {joint} entries (batch included), above "
-                f"{_MAX_BUCKET}; use a smaller batch, shorter inputs, or inference.Gibbs"
+                f"Exact elimination would build a factor of {entries} entries per sentence, above the "
+                f"limit {_MAX_BUCKET}; use shorter inputs, fewer labels or channels, or inference.Gibbs"
             )
-        out = "".join(sorted(set().union(*(letters[i] for i in bucket)) - {letter} - {_BATCH})) + _BATCH
-        new = _log_sum_product([factors[i] for i in bucket], [letters[i] for i in bucket], out)
-        factors = [f for i, f in enumerate(factors) if i not in bucket] + [new]
+        largest = max(largest, entries)
+        out = "".join(sorted(joined - {letter, _BATCH})) + _BATCH
+        steps.append((bucket, out))
         letters = [ls for i, ls in enumerate(letters) if i not in bucket] + [out]
-    return _log_sum_product(factors, letters, _BATCH)
+    return steps, largest
 
 
 def _log_sum_product(factors: list[torch.Tensor], letters: list[str], out: str) -> torch.Tensor:

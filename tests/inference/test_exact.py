@@ -73,3 +73,23 @@ def test_bad_input_is_refused_before_enumeration():
     crf = graphs.CRF(vocab_size=5, labels=2)
     with pytest.raises(ValueError, match="vocab_size"):
         inference.Exact(crf).marginals(torch.tensor([[9, 1]]))
+
+
+def test_batch_in_chunks_gives_the_same_log_partition_and_marginals(monkeypatch):
+    torch.manual_seed(3)
+    crf = graphs.CRF(vocab_size=5, labels=2, channels=2, rank=2, global_labels=2, topology="window(1)")
+    tokens = torch.randint(0, 5, (5, 3))
+    mask = torch.tensor([[True, True, True]] * 3 + [[True, False, True], [True, False, False]])
+    with torch.no_grad():
+        whole = inference.Exact(crf).marginals(tokens, mask)
+        monkeypatch.setattr(inference.exact, "_MAX_BUCKET", 2**7)  # a few sentences per chunk at most
+        chunked = inference.Exact(crf).marginals(tokens, mask)
+    torch.testing.assert_close(chunked.log_partition, whole.log_partition, rtol=1e-12, atol=0)
+    torch.testing.assert_close(chunked.z, whole.z)
+    torch.testing.assert_close(chunked.h, whole.h)
+
+
+def test_refuses_a_plan_whose_largest_bucket_is_too_large_before_computing():
+    crf = graphs.CRF(vocab_size=5, labels=4, channels=1)
+    with pytest.raises(ValueError, match=r"factor of \d+ entries per sentence, above the limit"):
+        inference.Exact(crf, max_configurations=2**40).log_partition(torch.zeros(1, 12, dtype=torch.long))
