@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from benchmarks import reliability as bench
+from benchmarks.reliability import artefacts, diagnostics, engines, factor_graphs, fixtures, harness
 
 HARD_TARGETS = ("code executed", "silent NaN", "silent wrong", "hang")
 
 
-def outcomes_of(cases: list[bench.Case], jobs: int = 1) -> list[dict]:
-    return bench.run_cases(cases, jobs, progress=False)
+def outcomes_of(cases: list[harness.Case], jobs: int = 1) -> list[dict]:
+    return harness.run_cases(cases, jobs, progress=False)
 
 
 def failures(results: list[dict], kinds=HARD_TARGETS) -> list[str]:
@@ -48,7 +49,7 @@ def _sleep():
 def _unpickle_payload(marker: str):
     import pickle
 
-    return lambda: pickle.loads(bench.payload_pickle(marker))
+    return lambda: pickle.loads(fixtures.payload_pickle(marker))
 
 
 def _crash():
@@ -61,33 +62,33 @@ def _crash():
 def test_every_outcome_is_recognised(tmp_path: Path):
     marker = str(tmp_path / "marker")
     cases = [
-        (bench.Case("t", "accepted, finite", lambda: torch.ones(3), expect="accept"), "ok"),
+        (harness.Case("t", "accepted, finite", lambda: torch.ones(3), expect="accept"), "ok"),
         (
-            bench.Case("t", "named key", _raise(ValueError("config key 'width' must be >= 1")), names=("width",)),
+            harness.Case("t", "named key", _raise(ValueError("config key 'width' must be >= 1")), names=("width",)),
             "clear error",
         ),
         (
-            bench.Case("t", "path", _raise(FileNotFoundError("/x/config.json is missing")), names=("config.json",)),
+            harness.Case("t", "path", _raise(FileNotFoundError("/x/config.json is missing")), names=("config.json",)),
             "clear error",
         ),
-        (bench.Case("t", "names nothing", _raise(ValueError("bad value")), names=("width",)), "obscure error"),
-        (bench.Case("t", "not a user type", _raise(RuntimeError("width is bad")), names=("width",)), "obscure error"),
-        (bench.Case("t", "KeyError", _raise(KeyError("width")), names=("width",)), "obscure error"),
+        (harness.Case("t", "names nothing", _raise(ValueError("bad value")), names=("width",)), "obscure error"),
+        (harness.Case("t", "not a user type", _raise(RuntimeError("width is bad")), names=("width",)), "obscure error"),
+        (harness.Case("t", "KeyError", _raise(KeyError("width")), names=("width",)), "obscure error"),
         (
-            bench.Case("t", "valid refused", _raise(ValueError("width")), expect="accept", names=("width",)),
+            harness.Case("t", "valid refused", _raise(ValueError("width")), expect="accept", names=("width",)),
             "obscure error",
         ),
-        (bench.Case("t", "worker crash", _crash), "obscure error"),
-        (bench.Case("t", "NaN out", lambda: {"x": torch.tensor([1.0, math.nan])}, expect="accept"), "silent NaN"),
-        (bench.Case("t", "NaN accepted", lambda: 1, accepted="silent NaN"), "silent NaN"),
+        (harness.Case("t", "worker crash", _crash), "obscure error"),
+        (harness.Case("t", "NaN out", lambda: {"x": torch.tensor([1.0, math.nan])}, expect="accept"), "silent NaN"),
+        (harness.Case("t", "NaN accepted", lambda: 1, accepted="silent NaN"), "silent NaN"),
         (
-            bench.Case("t", "oracle", lambda: 2, expect="either", check=lambda x: ("silent wrong", "2 != 3")),
+            harness.Case("t", "oracle", lambda: 2, expect="either", check=lambda x: ("silent wrong", "2 != 3")),
             "silent wrong",
         ),
-        (bench.Case("t", "invalid accepted", lambda: torch.ones(2)), "silent wrong"),
-        (bench.Case("t", "sleeps", _sleep, timeout=1.0), "hang"),
+        (harness.Case("t", "invalid accepted", lambda: torch.ones(2)), "silent wrong"),
+        (harness.Case("t", "sleeps", _sleep, timeout=1.0), "hang"),
         (
-            bench.Case("t", "payload", _unpickle_payload(marker), expect="either", marker=marker, finite=False),
+            harness.Case("t", "payload", _unpickle_payload(marker), expect="either", marker=marker, finite=False),
             "code executed",
         ),
     ]
@@ -98,19 +99,19 @@ def test_every_outcome_is_recognised(tmp_path: Path):
 
 def test_oracles_agree_with_hand_computed_values():
     # the topology oracle, written from the docs' table, on cases worked out by hand
-    window = bench.topology_oracle("window", [1], 3)
+    window = factor_graphs.topology_oracle("window", [1], 3)
     assert window.tolist() == [[False, True, False], [True, False, True], [False, True, False]]
-    star = bench.topology_oracle("star", [], 2)  # tokens 0, 1 and the relay 2
+    star = factor_graphs.topology_oracle("star", [], 2)  # tokens 0, 1 and the relay 2
     assert star.tolist() == [[False, True, True], [True, False, True], [True, True, False]]
     # log Z by enumeration: one token, no heads possible, two labels -> logsumexp of the unary row
-    crf = bench.random_crf(random.Random(0), 1.0, topology="full")
+    crf = engines.random_crf(random.Random(0), 1.0, topology="full")
     crf.global_labels = 0
     crf.binary = None
     tokens = torch.tensor([[3]])
     expected = torch.logsumexp(crf.unary[3].double(), 0).item()
-    assert bench.brute_force_log_partition(crf, tokens) == pytest.approx(expected, abs=1e-9)
+    assert engines.brute_force_log_partition(crf, tokens) == pytest.approx(expected, abs=1e-9)
     # ESS of equal log weights is N exactly, in float64 from any offset
-    assert bench.ess_reference(torch.full((1, 3), 1e4)).item() == 3.0
+    assert diagnostics.ess_reference(torch.full((1, 3), 1e4)).item() == 3.0
 
 
 # ---- the library: a fast subset -----------------------------------------------------
@@ -122,12 +123,12 @@ def test_fast_subset_meets_the_hard_targets(tmp_path: Path):
     (tmp_path / "markers").mkdir()
     (tmp_path / "templates").mkdir()
     bench.warm_imports()
-    exports = [c for c in bench.export_cases(tmp_path) if c.label == "PT -> .pt2"]
+    exports = [c for c in artefacts.export_cases(tmp_path) if c.label == "PT -> .pt2"]
     results = outcomes_of(exports)
     slow = ("inference.Gibbs", "probformer CLI", "probformer.load (.pt2)", "probformer.load (.onnx)")
     cases = [c for c in bench.plan(0.05, tmp_path) if c.entry not in slow and "calling a" not in c.entry]
-    cases += bench.code_execution_cases(tmp_path)
-    assert len(cases) >= 180 and sum("attack" in c.label for c in cases) == len(bench.PT2_PAYLOADS)
+    cases += artefacts.code_execution_cases(tmp_path)
+    assert len(cases) >= 180 and sum("attack" in c.label for c in cases) == len(artefacts.PT2_PAYLOADS)
     results += outcomes_of(cases, jobs=2)
     assert not failures(results), "\n".join(failures(results))
 
