@@ -138,6 +138,7 @@ def trial(index: int, folder: Path, config: Path, expected, duration: float, see
         time.sleep(delay)
         if process.poll() is not None:  # finished (or failed) before the kill: draw again
             process.communicate()
+            shutil.rmtree(run, ignore_errors=True)
             continue
         process.send_signal(signal.SIGKILL)
         process.wait()
@@ -177,6 +178,7 @@ def kill_and_resume(trials: int = 100, folder=None, seed: int = 0, workers: int 
         "trials": trials,
         "killed": sum(1 for r in results if r.get("killed", True)),
         "identical": sum(1 for r in results if r["identical"]),
+        "redrawn": sum(r.get("attempts", 1) - 1 for r in results),  # runs that ended before their kill
         "run_seconds_after_folder": round(duration, 3),
         "stages": dict(sorted(stages.items(), key=lambda kv: -kv[1])),
         "failures": [r for r in results if not r["identical"]],
