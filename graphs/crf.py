@@ -217,9 +217,7 @@ class CRF(nn.Module):
 
     def arc_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """``[B, N, N]``: the topology's arcs between nodes that exist in each row."""
-        nodes = self.node_mask(mask)
-        arcs = self.topology.mask(mask.shape[1]).to(mask.device)
-        return arcs[None] & nodes[:, :, None] & nodes[:, None, :]
+        return self.topology.arcs(mask)  # each row's arcs for its real length: padding changes nothing
 
     def unary_table(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``[B, N, d]`` unary log-potentials; 0 for padding and virtual nodes."""

@@ -28,9 +28,11 @@ def _tables(crf):
 
 
 def arcs_of(crf, n, row_mask):
-    """Legal (i, j) arcs for one sentence: topology arcs between existing nodes."""
+    """Legal (i, j) arcs for one sentence: topology arcs between existing nodes. The
+    topology is data (its per-row arcs, built for the sentence's real length, are checked
+    against their own oracle in tests/graphs/test_topology.py)."""
     N = crf.topology.num_nodes(n)
-    topo = crf.topology.mask(n)
+    topo = crf.topology.arcs(torch.tensor([[bool(m) for m in row_mask]]))[0]
     exists = [bool(row_mask[i]) if i < n else True for i in range(N)]
     return [[j for j in range(N) if topo[i, j] and exists[i] and exists[j]] for i in range(N)], exists
 

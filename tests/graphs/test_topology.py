@@ -286,10 +286,6 @@ def test_pt_on_clusters_is_invariant_to_padding_when_the_crf_reads_arcs(k, sente
         torch.testing.assert_close(out, outputs[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="graphs/crf.py CRF.arc_mask still builds topology.mask(padded n): it should return topology.arcs(mask)",
-)
 def test_pt_on_clusters_is_invariant_to_padding():
     outputs = pt_outputs_under_padding(3, [3, 5, 7, 9, 11], [0, 4], seed=0)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)

@@ -16,5 +16,5 @@ def test_demo_trains_both_models_and_writes_everything(tmp_path, capsys):
         assert (tmp_path / name / "loss.png").is_file()
     assert (tmp_path / "demo-pt" / "diagnostics" / "report.nc").is_file()
     exported = tmp_path / "demo-pt" / "export"
-    assert (exported / "torch" / "probformer_runtime.py").is_file() and (exported / "model.onnx").is_file()
+    assert (exported / "torch" / "model.safetensors").is_file() and (exported / "model.onnx").is_file()
     assert "PT exported" in printed
