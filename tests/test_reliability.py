@@ -117,19 +117,51 @@ def test_oracles_agree_with_hand_computed_values():
 # ---- the library: a fast subset -----------------------------------------------------
 
 
-def test_fast_subset_meets_the_hard_targets(tmp_path: Path):
-    """About 200 generated cases over every entry point but the slow ones (Gibbs, the CLI,
-    exported files), plus every crafted .pt2 payload (after a .pt2 export: ~15 s)."""
-    (tmp_path / "markers").mkdir()
-    (tmp_path / "templates").mkdir()
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A benchmark work folder holding a .pt2 export of the tiny PT (~15 s, once)."""
+    folder = tmp_path_factory.mktemp("reliability")
+    (folder / "markers").mkdir()
+    (folder / "templates").mkdir()
     bench.warm_imports()
-    exports = [c for c in artefacts.export_cases(tmp_path) if c.label == "PT -> .pt2"]
-    results = outcomes_of(exports)
+    exports = [c for c in artefacts.export_cases(folder) if c.label == "PT -> .pt2"]
+    assert [r["outcome"] for r in outcomes_of(exports)] == ["ok"], "probformer.export to .pt2 failed"
+    return folder
+
+
+def test_crafted_archives_run_code_under_a_naive_loader(workdir: Path):
+    """Issue 17's two attacks, rebuilt: a duplicate entry whose first copy is a pickle, and an
+    opaque_obj constant. Loaded with plain torch.export.load their payload runs, so the
+    benchmark's "0 code executed" on probformer.load means something."""
+    cases = []
+    for choice in ("dup sample", "opaque"):
+        marker = str(workdir / "markers" / f"naive-{choice.replace(' ', '-')}")
+        label, entries, _ = artefacts.pt2_attack(
+            None, artefacts.zip_entries(workdir / "templates" / "pt.pt2"), marker, choice
+        )
+        path = workdir / f"naive-{choice.replace(' ', '-')}.pt2"
+        artefacts.write_pt2(path, entries)
+        cases.append(
+            harness.Case(
+                "torch.export.load",
+                label,
+                lambda path=path: torch.export.load(str(path)),
+                expect="either",
+                marker=marker,
+                finite=False,
+            )
+        )
+    assert [r["outcome"] for r in outcomes_of(cases)] == ["code executed", "code executed"]
+
+
+def test_fast_subset_meets_the_hard_targets(workdir: Path):
+    """About 200 generated cases over every entry point but the slow ones (Gibbs, the CLI,
+    exported files), plus every crafted .pt2 payload."""
     slow = ("inference.Gibbs", "probformer CLI", "probformer.load (.pt2)", "probformer.load (.onnx)")
-    cases = [c for c in bench.plan(0.05, tmp_path) if c.entry not in slow and "calling a" not in c.entry]
-    cases += artefacts.code_execution_cases(tmp_path)
+    cases = [c for c in bench.plan(0.05, workdir) if c.entry not in slow and "calling a" not in c.entry]
+    cases += artefacts.code_execution_cases(workdir)
     assert len(cases) >= 180 and sum("attack" in c.label for c in cases) == len(artefacts.PT2_PAYLOADS)
-    results += outcomes_of(cases, jobs=2)
+    results = outcomes_of(cases, jobs=2)
     assert not failures(results), "\n".join(failures(results))
 
 

@@ -117,6 +117,51 @@ def zip_entries(path: Path) -> list[tuple[str, bytes]]:
         return [(info.filename, archive.read(info)) for info in archive.infolist()]
 
 
+def write_pt2(path: Path, entries: list[tuple[str, bytes]]) -> None:
+    """Write a crafted .pt2 the way torch.export.save does (aligned entries, torch's own zip
+    writer), so that a loader's deeper checks are reached, not only its layout check;
+    duplicate names (which torch's writer cannot write) go through ``zipfile``."""
+    names = [name for name, _ in entries]
+    if len(set(names)) < len(names):
+        return write_duplicates(path, entries)
+    from torch.export.pt2_archive._package import PT2ArchiveWriter
+
+    root = names[0].split("/")[0] + "/"
+    written_by_torch = (".data/version", ".data/serialization_id", "byteorder")
+    try:
+        with PT2ArchiveWriter(str(path)) as writer:  # the archive's root folder is the file's stem
+            for name, data in entries:
+                if name.removeprefix(root) not in written_by_torch:
+                    writer.write_bytes(name.removeprefix(root), data)
+    except Exception:  # a name torch's writer refuses (e.g. "../"): zipfile writes anything
+        path.unlink(missing_ok=True)
+        write_zip(path, entries)
+
+
+def write_duplicates(path: Path, entries: list[tuple[str, bytes]]) -> None:
+    """Two entries of one name in an archive otherwise exactly as torch writes it: each
+    earlier copy is written under a placeholder name of the same length, then the
+    placeholder's bytes (local header and central directory) are renamed."""
+    seen, renamed, placeholders = set(), [], {}
+    for index, (name, data) in enumerate(entries):
+        if name in seen or any(n == name for n, _ in entries[index + 1 :]):
+            if name not in seen and name not in placeholders:
+                placeholder = name[:-3] + "~~~"
+                placeholders[placeholder] = name
+                renamed.append((placeholder, data))
+                seen.add(name)
+                continue
+        seen.add(name)
+        renamed.append((name, data))
+    write_pt2(path, renamed)
+    content = path.read_bytes()
+    for placeholder, name in placeholders.items():
+        root = content[30 : content.index(b"/", 30)].decode() + "/"  # the first entry's folder
+        old, new = (root + placeholder.split("/", 1)[1]).encode(), (root + name.split("/", 1)[1]).encode()
+        content = content.replace(old, new)
+    path.write_bytes(content)
+
+
 def write_zip(path: Path, entries: list[tuple[str, bytes]]) -> None:
     import warnings
     import zipfile
@@ -185,10 +230,10 @@ def pt2_attack(rng, entries: list[tuple[str, bytes]], marker: str, choice: str |
         )
     if choice == "sample pickle":
         sample = find("sample_inputs/model.pt")
-        return (
+        return (  # a loader may refuse it or ignore it (re-packing fresh sample inputs); never run it
             "sample_inputs replaced by a pickle payload",
             [(n, evil if n == sample else d) for n, d in entries],
-            "refuse",
+            "either",
         )
     if choice == "traversal":
         return "an entry named ../../evil.json", entries + [("../../evil.json", b"{}")], "refuse"
@@ -229,7 +274,7 @@ def code_execution_cases(workdir: Path) -> list[Case]:
 
         def run(path=path, entries=entries):
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_zip(path, entries)
+            write_pt2(path, entries)
             return probformer.load(path)
 
         names = (str(path), path.name, "archive", "entry", "pickle", "layout")
@@ -271,7 +316,7 @@ def load_cases(rng, count: int, workdir: Path) -> list[Case]:
                 label, expect, names = "probformer_runtime.py replaced by code that touches a marker", "either", ()
                 apply = lambda c, m=marker: (c / "probformer_runtime.py").write_text(f"open({m!r}, 'w')\n")  # noqa: E731
             else:
-                label, apply, expect, names = damage_folder(rng, template, "model.safetensors", marker)
+                label, apply, expect, names = damage_folder(rng, template, "model.safetensors", marker, "export")
 
             def run(template=template, target=target, apply=apply):
                 shutil.copytree(template, target, symlinks=True)
@@ -295,7 +340,7 @@ def load_cases(rng, count: int, workdir: Path) -> list[Case]:
                     data[where] ^= bit
                     path.write_bytes(bytes(data))
                 else:
-                    write_zip(path, entries)
+                    write_pt2(path, entries)
                 return probformer.load(path)
 
             label = {"truncate": f"truncated at {cut}", "flip": f"bit {bit} flipped at byte {where}"}.get(label, label)

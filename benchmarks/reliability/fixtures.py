@@ -214,9 +214,13 @@ class Payload:
 
 
 def payload_pickle(marker: str) -> bytes:
+    """The pickle, padded with zeros to a multiple of 8 bytes: unpickling stops at its STOP
+    opcode, and a loader that first maps the entry as raw tensor bytes (torch.export does
+    for constants) must not stumble on a size that no dtype divides."""
     import pickle
 
-    return pickle.dumps(Payload(marker), protocol=2)
+    data = pickle.dumps(Payload(marker), protocol=2)
+    return data + b"\0" * (-len(data) % 8)
 
 
 def unrelated_file(workdir: Path) -> Path:

@@ -196,9 +196,12 @@ def stored_value_mutation(rng, key: str, stored) -> tuple[object, str]:
     return rng.choice(either), "either"
 
 
-def damage_folder(rng, folder: Path, weights: str, marker: str) -> tuple[str, Callable[[Path], None], str, tuple]:
+def damage_folder(
+    rng, folder: Path, weights: str, marker: str, loader: str = "checkpoint"
+) -> tuple[str, Callable[[Path], None], str, tuple]:
     """A random damage to a saved folder (checkpoint or torch export): (label, apply(copy),
-    expect, extra names). ``weights`` is the name of the safetensors file."""
+    expect, extra names). ``weights`` is the name of the safetensors file; ``loader``
+    ("checkpoint" or "export") says whether an auxiliary file (tokenizer.json) must be read."""
     import json as json_module
 
     config = json_module.loads((folder / "config.json").read_text())
@@ -341,6 +344,7 @@ def damage_folder(rng, folder: Path, weights: str, marker: str) -> tuple[str, Ca
             ["{}", "not json", '{"model": {"type": "BPE", "vocab": 3}}', "[]", payload_pickle(marker).hex()]
         )
         label, names = f"tokenizer.json = {mutated[:40]!r}", ("tokenizer",)
+        expect = "refuse" if loader == "checkpoint" else "either"  # an export's loader may ignore it
         apply = lambda c, m=mutated: (c / "tokenizer.json").write_text(m)  # noqa: E731
     elif choice == "huge config":
         label = "config.json a 256 MiB sparse file"
