@@ -101,12 +101,19 @@ def nonfinite(value, depth: int = 0) -> str | None:
     return None
 
 
+def user_facing(error: BaseException) -> bool:
+    """One of the brief's user-facing types, or probformer's ``WriteError`` (an ``OSError``
+    for a failed write: disk full, permission; issue 17 asks for exactly that error)."""
+    write_error = type(error).__name__ == "WriteError" and type(error).__module__.startswith("probformer.")
+    return isinstance(error, CLEAR_TYPES) or write_error
+
+
 def classify_error(case: Case, error: BaseException) -> tuple[str, str]:
     text = f"{type(error).__name__}: {error}".strip()
     if case.expect == "accept":
         return "obscure error", f"valid input refused: {text}"
     message = str(error).lower()
-    if isinstance(error, CLEAR_TYPES) and any(name.lower() in message for name in case.names if name):
+    if user_facing(error) and any(name.lower() in message for name in case.names if name):
         return "clear error", text
     return "obscure error", text
 

@@ -412,3 +412,63 @@ def checkpoint_cases(rng, count: int, workdir: Path) -> list[Case]:
             )
         )
     return cases
+
+
+class LeftBehind(Exception):
+    """A failed write left a temporary or half-written file behind."""
+
+
+def save_cases(rng, count: int, workdir: Path) -> list[Case]:
+    """checkpoint.save on a full disk: RLIMIT_FSIZE stops every write beyond a few bytes
+    (each write then fails with EFBIG, as on a full disk); the save must end in one clear
+    error naming the path and leave nothing half-written, or succeed completely."""
+    import resource
+
+    from probformer.training import checkpoint
+    from probformer.training.data import Vocabulary
+
+    vocabulary = Vocabulary(["<pad>", "<unk>", "<mask>"] + [f"w{i}" for i in range(VOCAB - 3)])
+    cases = []
+    for number in range(count):
+        kind = rng.choice(sorted(KINDS))
+        limit = rng.choice([0, 1, 100, 1000, 5000, 20000, 10**6])
+        existing = rng.random() < 0.3  # saving over a previous checkpoint must keep it whole
+        folder = workdir / "saves" / f"case-{number}"
+
+        def run(kind=kind, limit=limit, folder=folder, existing=existing):
+            if existing:
+                checkpoint.save(tiny_model(kind, seed=1), folder, vocabulary=vocabulary)
+            before = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+            soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+            try:
+                return checkpoint.save(tiny_model(kind), folder, vocabulary=vocabulary)
+            except BaseException as error:
+                after = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+                if after != before:
+                    raise LeftBehind(f"{type(error).__name__}: {error}; files before {before}, after {after}") from None
+                raise
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+        def check(path, kind=kind):
+            model, _ = checkpoint.load(path)
+            expected = tiny_model(kind).state_dict()
+            for name, tensor in model.state_dict().items():
+                if not torch.equal(tensor, expected[name]):
+                    return "silent wrong", f"the saved {name} differs from the model's"
+            return None
+
+        label = f"{kind}, writes limited to {limit} bytes{', over an older checkpoint' if existing else ''}"
+        cases.append(
+            Case(
+                "probformer.training.checkpoint.save",
+                label,
+                run,
+                expect="either",
+                names=(str(folder), folder.name, "model.safetensors", "config.json", "vocabulary.json"),
+                check=check,
+                finite=False,
+            )
+        )
+    return cases
