@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         evaluation.print_table(args.task, metrics)
         return 0
     if args.command == "demo":
-        from probformer.training import demo as demo_module
+        from probformer import demo as demo_module
 
         return demo_module.main(args.steps, args.out)
     if args.command == "diagnose":

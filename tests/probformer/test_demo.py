@@ -2,7 +2,7 @@
 
 import json
 
-from probformer.training import demo
+from probformer import demo
 
 
 def test_demo_trains_both_models_and_writes_everything(tmp_path, capsys):

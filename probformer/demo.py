@@ -16,7 +16,7 @@ from probformer.training import data, run_config
 from probformer.training.corpus import collate
 from probformer.training.trainer import train
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def oracles_on_a_sentence(sentence: list[str]) -> None:
