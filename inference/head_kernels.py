@@ -23,6 +23,13 @@ rows, un-normalised by its own ``lse`` (so no column sum is ever materialised).
 Rows with no legal head (padding, ``causal`` at i = 0) get a zero row of P and
 ``lse = 0``: a "null head" of logit 0 is the only choice there, which keeps softmax
 and its gradient finite.
+
+``fused`` is finite wherever ``naive`` is (tests/inference/test_numerics.py: potentials to
++-1e4, padded rows and sentences, float32/float64/bf16, every topology, with and without
+the CPU flash kernel); bf16/fp16 inputs are computed in float32. Its reverse messages
+divide by the lse of another row, so in float32 their error grows like |potential| x 2**-20
+(~1e-4 at 1e4, where naive's is ~1e-8); past ~1e7 in float32 they are finite but not
+accurate: use ``naive`` or float64 there.
 """
 
 from __future__ import annotations
@@ -199,7 +206,8 @@ def _attention(q, k, v, key_bias, scale, *, is_causal=False, attn_mask=None):
     and give every key it must ignore a score near _ABSENT or below: then a row with no
     real key has lse = _SINK + log(#sinks) computed from exactly the same numbers in the
     forward and the backward, so exp(score - lse) is 0 or <= 1, never an overflow from
-    cancelling two rounded -1e9s; and on a row with real keys the sink weighs exp(-1e9) = 0."""
+    cancelling two rounded sentinels (the old failure: NaN on padded rows at potentials ~10);
+    and on a row with real keys the sink weighs exp(_SINK - lse) = 0."""
     # the scale goes into q (not 1/scale into the bias column): any finite scale, 0 included
     q = torch.cat([scale * q, torch.ones_like(q[..., :1])], -1)
     k = torch.cat([k, key_bias.unsqueeze(-1).to(k.dtype)], -1)
