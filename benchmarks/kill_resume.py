@@ -2,12 +2,13 @@
 
     .venv/bin/python benchmarks/kill_resume.py [--trials 100] [--seed 0] [--workers 2] [--out DIR]
 
-Each trial starts ``probformer train`` (a subprocess) on a tiny PT run (8 steps, a
+Each trial starts ``probformer train`` (a subprocess) on a tiny PT run (24 steps, a
 checkpoint after every step, so much of the run is spent inside saves; a metrics line
-every third step, so checkpoints fall inside loss windows; a validation at step 4),
-waits until the run folder exists (imports and data preparation are over), sleeps a random
-delay drawn uniformly over the measured length of the run, and sends SIGKILL. A
-trial whose run finished before the kill is drawn again (it tested nothing). Then
+every fifth step, so checkpoints fall inside loss windows; a validation at step 12),
+waits until the run folder exists (imports and data preparation are over), sleeps a
+random delay drawn uniformly over the time the uninterrupted run took from there to
+its ``summary.json``, and sends SIGKILL. A trial whose run had written its summary
+before the kill is drawn again (it tested nothing). Then
 ``probformer train --resume`` (a second subprocess) finishes the run, and the trial
 counts as identical when the final weights (``model/model.safetensors``) are equal
 byte for byte to an uninterrupted run's and ``metrics.jsonl`` is equal line for line
@@ -61,11 +62,11 @@ vocabulary = 200
 batch_size = 8
 lr = 3e-3
 warmup_steps = 2
-steps = 8
+steps = 24
 checkpoint_every = 1
-eval_every = 4
+eval_every = 12
 eval_sentences = 4
-log_every = 3
+log_every = 5
 threads = 1
 """
 
@@ -115,16 +116,19 @@ def leftovers(run: Path) -> list[str]:
 
 
 def reference_run(folder: Path, config: Path) -> tuple[tuple[bytes, list[dict]], float]:
-    """The uninterrupted run and how long it runs once its folder exists."""
+    """The uninterrupted run and how long it takes from its folder to its summary."""
     run = folder / "reference"
     process = start(config, run)
     while not (run / "run.json").is_file() and process.poll() is None:
         time.sleep(0.002)
     began = time.perf_counter()
+    while not (run / "summary.json").is_file() and process.poll() is None:
+        time.sleep(0.002)
+    duration = time.perf_counter() - began
     _, error = process.communicate()
     if process.returncode:
         raise RuntimeError(f"the reference run failed: {error.decode()[-2000:]}")
-    return comparable(run), time.perf_counter() - began
+    return comparable(run), duration
 
 
 def trial(index: int, folder: Path, config: Path, expected, duration: float, seed: int) -> dict:
@@ -136,12 +140,12 @@ def trial(index: int, folder: Path, config: Path, expected, duration: float, see
             time.sleep(0.002)
         delay = generator.uniform(0.0, duration)
         time.sleep(delay)
-        if process.poll() is not None:  # finished (or failed) before the kill: draw again
-            process.communicate()
-            shutil.rmtree(run, ignore_errors=True)
-            continue
-        process.send_signal(signal.SIGKILL)
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
         process.wait()
+        if process.returncode != -signal.SIGKILL or (run / "summary.json").is_file():
+            shutil.rmtree(run, ignore_errors=True)  # the run had ended before the kill: draw again
+            continue
         stage = where_killed(run)
         resumed = start(config, run, "--resume")
         _, error = resumed.communicate()
