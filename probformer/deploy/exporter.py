@@ -43,18 +43,6 @@ TOLERANCE = 1e-5
 TRACE_MAX_LENGTH = 512  # the longest input of a traced FoldedContext (it has no max_length)
 
 
-def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with every shared tensor once (the PT's ``crf`` is also
-    ``mean_field.crf``): safetensors refuses aliased tensors."""
-    seen, unique = set(), {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            unique[name] = tensor
-    return unique
-
-
 def _check_declared(kind: str, model: nn.Module) -> None:
     """An export stores the config, so the model must be what its config declares: a
     topology swapped in after construction would be lost, so it is refused."""
@@ -194,7 +182,7 @@ def _write_folder(folder: Path, model, vocabulary, max_length) -> None:
 
     folder.mkdir()
     kind = registry.kind_of(model)
-    weights = {k: v.detach().contiguous().cpu() for k, v in unique_state(model).items()}
+    weights = {k: v.detach().contiguous().cpu() for k, v in registry.unique_state(model).items()}
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": TORCH_FORMAT, "model": kind})
     meta = {"format": TORCH_FORMAT, "model": kind, "config": model.config.to_dict()}
     (folder / "config.json").write_text(json.dumps(meta, indent=1))

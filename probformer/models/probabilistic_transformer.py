@@ -121,41 +121,25 @@ class PTConfig(ConfigMixin):
             raise ValueError("config key 'pooling'='root' needs a ROOT node: add '| root()' to 'topology'")
 
 
+# the config keys that are the CRF's and the engine's own arguments, passed through by name
+CRF_KEYS = ("vocab_size", "labels", "channels", "rank", "global_labels", "topology", "gamma")
+CRF_KEYS += ("ternary_form", "ternary_blocks", "global_memory")
+ENGINE_KEYS = ("iterations", "schedule", "mup", "kernel", "dropout", "halting", "halting_source", "act_epsilon")
+ENGINE_KEYS += ("exit_threshold", "span", "span_max", "span_ramp", "memory_topk")
+
+
 class ProbabilisticTransformer(nn.Module):
     def __init__(self, config: PTConfig):
         super().__init__()
         self.config = config
-        self.crf = graphs.CRF(
-            vocab_size=config.vocab_size,
-            labels=config.labels,
-            channels=config.channels,
-            rank=config.rank,
-            global_labels=config.global_labels,
-            topology=config.topology,
-            gamma=config.gamma,
-            ternary_form=config.ternary_form,
-            ternary_blocks=config.ternary_blocks,
-            global_memory=config.global_memory,
-        )
+        self.crf = graphs.CRF(**{key: getattr(config, key) for key in CRF_KEYS})
         # under μP the information weights are hyper-parameters of the base width, held fixed
         weights_width = mup.base_width(config) if config.mup else config.labels
         self.mean_field = inference.MeanField(
             self.crf,
-            iterations=config.iterations,
-            schedule=config.schedule,
-            mup=config.mup,
-            kernel=config.kernel,
-            dropout=config.dropout,
             weights=inference.MessageWeights.parse(config.weights, weights_width),
             mup_scales=mup.engine_scales(config) if config.mup else None,
-            halting=config.halting,
-            halting_source=config.halting_source,
-            act_epsilon=config.act_epsilon,
-            exit_threshold=config.exit_threshold,
-            span=config.span,
-            span_max=config.span_max,
-            span_ramp=config.span_ramp,
-            memory_topk=config.memory_topk,
+            **{key: getattr(config, key) for key in ENGINE_KEYS},
         )
         outputs = config.vocab_size if config.task == "mlm" else config.num_classes
         self.head = TaskHead(config.task, config.labels, outputs, config.pooling)

@@ -12,7 +12,7 @@ import importlib
 import torch
 from torch import nn
 
-__all__ = ["KINDS", "classes", "kind_of", "build", "LogitsOnly"]
+__all__ = ["KINDS", "classes", "kind_of", "build", "unique_state", "LogitsOnly"]
 
 # kind -> (module, config class, model class)
 KINDS = {
@@ -47,6 +47,18 @@ def build(kind: str, config: dict, section: str = "config") -> nn.Module:
     checkpoint or an export); every value is checked by the config class."""
     config_cls, model_cls = classes(kind)
     return model_cls(config_cls.from_dict(config, section=section))
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with every shared tensor once (the PT's ``crf`` is also
+    ``mean_field.crf``): safetensors refuses aliased tensors; loading fills the aliases."""
+    seen, unique = set(), {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor
+    return unique
 
 
 class LogitsOnly(nn.Module):
