@@ -189,8 +189,8 @@ def mutations(rng, name: str, hint: str, default):
     elif hint == "bool":
         refuse, either = ["yes", 1, None], [True, False]
     else:  # str or str | dict
-        refuse = ["bogus", 3, None, ""]
-        either = CHOICES.get(name, [default])
+        refuse = ["bogus", 3, ""] + ([] if name == "topology" else [None])
+        either = CHOICES.get(name, [default]) + ([None] if name == "topology" else [])  # graphs.CRF: None is "full"
     if rng.random() < 0.5:
         return rng.choice(refuse), "refuse"
     return rng.choice(either), "either"

@@ -34,7 +34,7 @@ CLEAR_TYPES = (
     IsADirectoryError,
 )
 
-MEMORY_LIMIT = 8 << 30  # bytes of address space per worker
+MEMORY_LIMIT = 4 << 30  # bytes of address space per worker (the machine is shared)
 
 FILE_SIZE_LIMIT = 2 << 30  # bytes per written file
 
