@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from probformer.models.blocks import NORMS, Block, TaskHead, check_token_inputs
+from probformer.models.blocks import NORMS, Block, TaskHead, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 
 __all__ = ["TransformerConfig", "Transformer", "equal_size", "parameter_count"]
@@ -51,6 +51,7 @@ class TransformerConfig(ConfigMixin):
 class Transformer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
+        refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.width)
         self.position = nn.Embedding(config.max_length, config.width)

@@ -33,6 +33,7 @@ __all__ = [
     "TASKS",
     "POOLINGS",
     "check_state",
+    "refuse_non_finite_weights",
 ]
 
 NORMS = ("pre", "post")
@@ -205,3 +206,21 @@ def check_state(weights: dict, expected: dict, path) -> None:
             f"{path}: shape mismatch for {wrong[:5]} (e.g. {wrong[0]}: "
             f"{tuple(weights[wrong[0]].shape)} in the file, {tuple(expected[wrong[0]].shape)} by the config)"
         )
+
+
+def _check_finite_state(module, state_dict, prefix, *args) -> None:
+    if prefix:  # the whole state is checked once, at the top, before anything is copied
+        return
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(
+                f"weight {name!r} holds NaN or infinite values; {type(module).__name__}.load_state_dict "
+                "refuses it (the model is unchanged)"
+            )
+
+
+def refuse_non_finite_weights(model: nn.Module) -> None:
+    """Make ``model.load_state_dict`` refuse NaN or infinite weights before it copies any:
+    non-finite numbers are stopped where they enter (loading; the trainer checks each
+    optimiser step), so no forward needs a host synchronisation to look for them."""
+    model.register_load_state_dict_pre_hook(_check_finite_state)

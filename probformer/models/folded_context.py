@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.folding import segment_stream
-from probformer.models.blocks import Block, check_token_inputs
+from probformer.models.blocks import Block, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 
 __all__ = ["FoldedContextConfig", "FoldedContext", "FoldedStreamState"]
@@ -74,6 +74,7 @@ class FoldedStreamState:
 class FoldedContext(nn.Module):
     def __init__(self, config: FoldedContextConfig):
         super().__init__()
+        refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter
         self.config = config
         c = config
         self.embedding = nn.Embedding(c.vocab_size, c.width)

@@ -34,6 +34,7 @@ from probformer.models.blocks import (
     check_token_inputs,
     log_attention_mass,
     normalised_ess,
+    refuse_non_finite_weights,
 )
 from probformer.models.config import ConfigMixin
 
@@ -87,6 +88,7 @@ class ParticleConfig(ConfigMixin):
 class ParticleTransformer(nn.Module):
     def __init__(self, config: ParticleConfig, generator: torch.Generator | None = None):
         super().__init__()
+        refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter
         self.config, self.generator = config, generator
         self.embedding = nn.Embedding(config.vocab_size, config.width)
         self.position = nn.Embedding(config.max_length, config.width)

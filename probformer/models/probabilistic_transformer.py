@@ -21,7 +21,7 @@ from torch import nn
 import graphs
 import inference
 from probformer.models import mup
-from probformer.models.blocks import POOLINGS, TASKS, TaskHead
+from probformer.models.blocks import POOLINGS, TASKS, TaskHead, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 from probformer.models.mup import PARADIGMS
 
@@ -131,6 +131,7 @@ ENGINE_KEYS += ("exit_threshold", "span", "span_max", "span_ramp", "memory_topk"
 class ProbabilisticTransformer(nn.Module):
     def __init__(self, config: PTConfig):
         super().__init__()
+        refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter
         self.config = config
         self.crf = graphs.CRF(**{key: getattr(config, key) for key in CRF_KEYS})
         # under μP the information weights are hyper-parameters of the base width, held fixed

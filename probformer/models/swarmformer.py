@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probformer.models.blocks import Block, TaskHead, check_token_inputs
+from probformer.models.blocks import Block, TaskHead, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 
 __all__ = ["SwarmConfig", "SwarmFormer", "SwarmLayer", "ROUTINGS"]
@@ -166,6 +166,7 @@ class SwarmLayer(nn.Module):
 class SwarmFormer(nn.Module):
     def __init__(self, config: SwarmConfig):
         super().__init__()
+        refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.width)
         self.position = nn.Embedding(config.max_length, config.width)
