@@ -170,6 +170,12 @@ def _check_positive(name: str, value, maximum: int) -> int:
     return value
 
 
+def _check_flag(name: str, value) -> None:
+    # a string such as 'yes' or 'False' is truthy: refused, not read as True
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False (a bool), got {value!r}")
+
+
 def _positions(size) -> tuple[torch.Tensor, torch.Tensor]:
     """Row and column indices ``[size, 1]`` and ``[1, size]`` of a ``[size, size]`` mask."""
     pos = torch.arange(size)
@@ -204,6 +210,7 @@ def star(wrap: bool = False) -> Topology:
     The ring joins each token to its neighbours i - 1 and i + 1; with ``wrap=True``
     the first and last tokens are neighbours too (a closed ring).
     """
+    _check_flag("star(wrap=...)", wrap)
 
     def build(n: int) -> torch.Tensor:
         i, j = _positions(n + 1)
@@ -241,8 +248,7 @@ def clusters(k: int, dynamic: bool = False) -> Topology:
     ``window`` for local token-token arcs.
     """
     k = _check_positive("number of clusters k", k, MAX_CLUSTERS)
-    if not isinstance(dynamic, bool):
-        raise ValueError(f"clusters(dynamic=...) must be True or False, got {dynamic!r}")
+    _check_flag("clusters(dynamic=...)", dynamic)
 
     def build_rows(mask: torch.Tensor) -> torch.Tensor:
         batch, n = mask.shape
@@ -275,8 +281,7 @@ def segments(length: int, causal: bool = False) -> Topology:
     memory bounded by ``length``. ``segment_length`` on the topology records ``length``.
     """
     length = _check_positive("segment length l", length, MAX_REACH)
-    if not isinstance(causal, bool):
-        raise ValueError(f"segments(causal=...) must be True or False, got {causal!r}")
+    _check_flag("segments(causal=...)", causal)
 
     def build(n: int) -> torch.Tensor:
         seg = torch.arange(n) // length

@@ -289,3 +289,17 @@ def test_pt_on_clusters_is_invariant_to_padding_when_the_crf_reads_arcs(k, sente
 def test_pt_on_clusters_is_invariant_to_padding():
     outputs = pt_outputs_under_padding(3, [3, 5, 7, 9, 11], [0, 4], seed=0)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", ["yes", "False", 1, 0, None, 1.0])
+def test_flag_arguments_must_be_bools(bad):
+    # issue 17: star('yes') was accepted (a truthy string read as wrap=True)
+    cases = [
+        (lambda: topology.star(bad), r"star\(wrap=...\)"),
+        (lambda: topology.star(wrap=bad), r"star\(wrap=...\)"),
+        (lambda: topology.clusters(2, dynamic=bad), r"clusters\(dynamic=...\)"),
+        (lambda: topology.segments(2, causal=bad), r"segments\(causal=...\)"),
+    ]
+    for make, name in cases:
+        with pytest.raises(ValueError, match=name + r" must be True or False"):
+            make()
