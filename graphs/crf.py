@@ -53,10 +53,24 @@ from torch import nn
 from graphs import topology as topologies
 from graphs.topology import Topology
 
-__all__ = ["CRF", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES"]
+__all__ = ["CRF", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES", "LIMITS", "MAX_PARAMETERS"]
 
 TERNARY_FORMS = ("low_rank", "cp", "tucker")
 GLOBAL_MEMORIES = ("dense", "product_key")
+
+# The most each size may be (issue 17: absurd sizes are refused before anything is
+# allocated). The one table for these keys: probformer.models.config.LIMITS reads it
+# (graphs cannot import probformer; probformer imports graphs).
+LIMITS: dict[str, int] = {
+    "vocab_size": 2**24,
+    "labels": 2**16,
+    "channels": 2**10,
+    "rank": 2**14,
+    "global_labels": 2**20,
+    "gamma": 2**12,
+    "ternary_blocks": 2**10,
+}
+MAX_PARAMETERS = 2**31  # all the CRF's parameters together: 8 GiB of float32
 
 
 def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
@@ -112,6 +126,7 @@ class CRF(nn.Module):
         _check_int("global_labels", global_labels, minimum=0)
         _check_int("gamma", gamma, minimum=0)
         _check_int("ternary_blocks", ternary_blocks, minimum=1)
+        _check_parameter_count(vocab_size, labels, channels, rank, global_labels, gamma, ternary_blocks)
         if ternary_form not in TERNARY_FORMS:
             raise ValueError(f"ternary_form must be one of {list(TERNARY_FORMS)}, got {ternary_form!r}")
         self.ternary_form, self.ternary_blocks = ternary_form, ternary_blocks
@@ -370,8 +385,26 @@ class CRF(nn.Module):
 
 
 def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    maximum = LIMITS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
+
+
+def _check_parameter_count(vocab_size, labels, channels, rank, global_labels, gamma, ternary_blocks) -> None:
+    """Each size within its limit can still multiply to an absurd total: refuse it before
+    allocating. An upper bound over the forms (the largest ternary form, +1 group for a
+    virtual-node topology, product keys at most 2 labels per sub-key)."""
+    groups = 2 * (gamma + 1) + 1
+    ternary = (
+        groups * ternary_blocks * (2 * labels * rank + channels * rank * rank) + 2 * groups * channels * labels * rank
+    )
+    total = vocab_size * labels + ternary + global_labels * labels + 2 * math.isqrt(global_labels) * labels
+    if total > MAX_PARAMETERS:
+        raise ValueError(
+            f"CRF(vocab_size={vocab_size}, labels={labels}, channels={channels}, rank={rank}, "
+            f"global_labels={global_labels}, gamma={gamma}, ternary_blocks={ternary_blocks}) would have about "
+            f"{total:,} parameters, more than the limit {MAX_PARAMETERS:,} (2**31): reduce its sizes"
+        )
 
 
 def _check_assignment(name: str, value, shape: tuple[int, ...], size: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import types
 import typing
 from dataclasses import MISSING, asdict, fields
 
+from graphs import crf as crfs
 from graphs import topology as topologies
 
 __all__ = ["ConfigMixin", "LIMITS", "MAX_FLOAT", "MAX_PARAMETERS"]
@@ -18,33 +19,29 @@ __all__ = ["ConfigMixin", "LIMITS", "MAX_FLOAT", "MAX_PARAMETERS"]
 # refused before anything is allocated). Generous: each is far beyond any model or run we
 # train, and finite. A key that is not listed may be at most DEFAULT_LIMIT.
 LIMITS: dict[str, int] = {
+    # the CRF's sizes (vocab_size, labels, channels, rank, global_labels, gamma, ternary_blocks):
+    # graphs.crf.LIMITS is the one table, which graphs.CRF itself enforces
+    **crfs.LIMITS,
     # vocabularies and outputs: rows of an embedding or a decoder
-    "vocab_size": 2**24,
     "num_classes": 2**24,
     "vocabulary": 2**24,  # data.vocabulary
     # widths
     "width": 2**16,
-    "labels": 2**16,
     "mup_base_width": 2**16,
     "ffn_width": 2**18,
-    "rank": 2**14,
-    "global_labels": 2**20,
     "memory_topk": 2**16,
     # heads, channels, depth
     "heads": 2**10,
-    "channels": 2**10,
     "layers": 2**10,
     "local_layers": 2**10,
     "global_layers": 2**10,
     "local_rounds": 2**6,
     "iterations": 10_000,  # inference.MeanField's own limit
-    "ternary_blocks": 2**10,
     "resample_every": 2**10,
     # lengths and distances
     "max_length": 2**20,
     "segment": 2**16,
     "window": 2**20,
-    "gamma": 2**12,
     "span_max": 2**20,
     "span_ramp": 2**20,
     "clusters": 2**14,  # graphs.topology.clusters' own limit

@@ -177,6 +177,40 @@ def test_bad_constructor_arguments(kwargs, match):
         make_crf(**kwargs)
 
 
+# the limits restated here on purpose (an oracle independent of graphs.crf.LIMITS)
+SIZE_LIMITS = {
+    "vocab_size": 2**24,
+    "labels": 2**16,
+    "channels": 2**10,
+    "rank": 2**14,
+    "global_labels": 2**20,
+    "gamma": 2**12,
+    "ternary_blocks": 2**10,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZE_LIMITS))
+@pytest.mark.parametrize("excess", [1, 10**12])
+def test_sizes_above_their_limit_are_refused_before_allocation(name, excess):
+    # issue 17: 10**12 reached the allocator (RuntimeError: DefaultCPUAllocator)
+    value = SIZE_LIMITS[name] + excess if excess == 1 else excess
+    with pytest.raises(ValueError, match=rf"{name} must be an integer >= \d+ and <= {SIZE_LIMITS[name]} \(the limit\)"):
+        make_crf(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(vocab_size=2**24, labels=2**10),
+        dict(labels=2**12, rank=2**12, channels=8),
+        dict(global_labels=2**20, labels=2**12),
+    ],
+)
+def test_sizes_within_limits_but_absurd_together_are_refused(kwargs):
+    with pytest.raises(ValueError, match=r"parameters, more than the limit 2,147,483,648 \(2\*\*31\)"):
+        make_crf(**kwargs)
+
+
 def test_log_potential_validates_assignments():
     crf = make_crf(global_labels=2)
     tokens = torch.tensor([[1, 2]])

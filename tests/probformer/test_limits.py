@@ -152,3 +152,11 @@ def test_mean_field_refuses_absurd_iterations(iterations):
     assert inference.MeanField(crf, iterations=10_000).iterations == 10_000
     pt_config = CONFIGS["probabilistic_transformer"]
     refused_fast(lambda: make(pt_config, iterations=iterations), "'iterations'", "10000")
+
+
+def test_config_limits_read_the_crf_table():
+    # one table: the CRF's own sizes are the configs' limits for the same keys
+    crf_sizes = {"vocab_size": 2**24, "labels": 2**16, "channels": 2**10, "rank": 2**14}
+    crf_sizes |= {"global_labels": 2**20, "gamma": 2**12, "ternary_blocks": 2**10}
+    assert graphs.crf.LIMITS == crf_sizes
+    assert {name: configs.LIMITS[name] for name in crf_sizes} == crf_sizes
