@@ -128,6 +128,9 @@ def export(
         raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 <= tolerance < float("inf"):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    _check_replaceable(Path(path))
     if isinstance(model, str | Path):
         from probformer.training.evaluate import load_any
 
@@ -158,6 +161,25 @@ def export(
     path = Path(path)
     _replace(path, write_and_check)
     return path
+
+
+def _is_export(path: Path) -> bool:
+    """Whether ``path`` holds something ``export`` wrote (its record names a probformer format)."""
+    try:
+        if path.is_dir():
+            meta = json.loads((path / "config.json").read_text())
+            return isinstance(meta, dict) and meta.get("format") in (TORCH_FORMAT, "probformer-torch/1")
+        small = path.stat().st_size < (4 << 30)
+        return path.suffix in (".pt2", ".onnx") and small and b"probformer-" in path.read_bytes()
+    except (OSError, ValueError):
+        return False
+
+
+def _check_replaceable(path: Path) -> None:
+    """An export replaces an earlier export at ``path``, never anything else (a user's file
+    or folder that happens to be there)."""
+    if path.is_symlink() or (path.exists() and not _is_export(path)):
+        raise FileExistsError(f"{path} exists and is not a probformer export; choose another path or remove it")
 
 
 def _replace(path: Path, write) -> None:

@@ -368,9 +368,36 @@ def test_bad_export_requests_are_refused(tmp_path):
         probformer.export(pt(), tmp_path / "x", example=torch.tensor([[VOCAB]]))
     with pytest.raises(ValueError, match="max_length must be an integer"):
         probformer.export(pt(), tmp_path / "x", max_length=0)
-    with pytest.raises(RuntimeError, match="differs from the source model"):  # a check that cannot pass
-        probformer.export(pt(), tmp_path / "x", tolerance=-1.0)
+    for tolerance in (-1.0, float("nan"), float("inf"), "0.1"):
+        with pytest.raises(ValueError, match="tolerance must be a finite number >= 0"):
+            probformer.export(pt(), tmp_path / "x", tolerance=tolerance)
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing half-written
+
+
+def test_an_export_that_differs_from_its_source_is_not_written(tmp_path, monkeypatch):
+    from probformer.deploy import exporter
+
+    model = transformer()
+    wrong = lambda path: (lambda tokens, mask: model(tokens, mask)[0] + 1e-3)  # noqa: E731
+    monkeypatch.setattr(exporter, "load", wrong)
+    with pytest.raises(RuntimeError, match="differs from the source model by 0.001"):
+        probformer.export(model, tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_replaces_an_earlier_export_and_nothing_else(tmp_path):
+    model = transformer()
+    for name, format in (("model", "torch"), ("model.pt2", "exported")):
+        path = probformer.export(model, tmp_path / name, format)
+        assert probformer.export(model, path, format) == path  # an earlier export is replaced
+    notes, folder = tmp_path / "notes.onnx", tmp_path / "mine"
+    notes.write_text("my notes")
+    folder.mkdir()
+    (folder / "data.txt").write_text("keep")
+    for target, format in ((notes, "onnx"), (folder, "torch"), (folder, "exported")):
+        with pytest.raises(FileExistsError, match="is not a probformer export"):
+            probformer.export(model, target, format)
+    assert notes.read_text() == "my notes" and (folder / "data.txt").read_text() == "keep"
 
 
 def test_loaded_models_check_their_inputs(exported):
