@@ -34,6 +34,13 @@ __all__ = ["SMC", "SMCResult", "RESAMPLERS", "RELAXATIONS", "resample_indices"]
 RESAMPLERS = ("multinomial", "stratified", "systematic", "residual")
 RELAXATIONS = (None, "gumbel-softmax", "straight-through")
 
+# Limits (issue 17): absurd sizes are refused before anything is allocated or looped over.
+MAX_PARTICLES = 2**24  # N: the ancestors [T, B, N] and a relaxation's [B, N, N] scale with it
+MAX_BATCH = 2**24  # B independent filters
+MAX_PARTICLES_PER_STEP = 2**31  # B * N particles of one step
+MAX_STEPS = 2**31  # T: a loop in Python, one step at a time
+TEMPERATURES = (1e-6, 1e6)  # tau: scores / tau stays finite in float32 for scores up to ~1e32
+
 
 @dataclass
 class SMCResult:
@@ -55,6 +62,15 @@ def _check_weights(log_weights: torch.Tensor) -> None:
         raise ValueError(
             f"every particle has zero weight (all log-weights -inf) in filters {dead.nonzero().flatten().tolist()}"
         )
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_count(name: str, value, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
 
 
 def resample_indices(weights: torch.Tensor, method: str, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -143,16 +159,18 @@ class SMC:
         temperature: float = 1.0,
         generator: torch.Generator | None = None,
     ):
-        if isinstance(num_particles, bool) or not isinstance(num_particles, int) or num_particles < 1:
-            raise ValueError(f"num_particles must be an integer >= 1, got {num_particles!r}")
-        if resample not in RESAMPLERS:
+        _check_count("num_particles", num_particles, 1, MAX_PARTICLES)
+        if not isinstance(resample, str) or resample not in RESAMPLERS:
             raise ValueError(f"unknown resampler {resample!r}; allowed: {list(RESAMPLERS)}")
-        if not 0 <= ess_threshold <= 1:
-            raise ValueError(f"ess_threshold must lie in [0, 1], got {ess_threshold!r}")
-        if relaxation not in RELAXATIONS:
+        if not _is_real(ess_threshold) or not 0 <= ess_threshold <= 1:
+            raise ValueError(f"ess_threshold must be a number in [0, 1], got {ess_threshold!r}")
+        if not (relaxation is None or isinstance(relaxation, str)) or relaxation not in RELAXATIONS:
             raise ValueError(f"unknown relaxation {relaxation!r}; allowed: {list(RELAXATIONS)}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        low, high = TEMPERATURES
+        if not _is_real(temperature) or not low <= temperature <= high:  # NaN fails both comparisons
+            raise ValueError(f"temperature must be a finite number in [{low:g}, {high:g}], got {temperature!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.num_particles, self.resample, self.ess_threshold = num_particles, resample, ess_threshold
         self.relaxation, self.temperature, self.generator = relaxation, temperature, generator
 
@@ -170,9 +188,18 @@ class SMC:
             return self._filter_pyro(init, step, batch_size, num_steps, init_args)
         if not callable(init) or not callable(step):
             raise TypeError("filter takes (init, step, num_steps) callables or (model, data) for a Pyro model")
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-            raise ValueError(f"num_steps must be an integer >= 0, got {num_steps!r}")
-        return self._run(init, step, num_steps, 1 if batch_size is None else batch_size)
+        _check_count("num_steps", num_steps, 0, MAX_STEPS)
+        batch_size = 1 if batch_size is None else batch_size
+        self._check_batch(batch_size)
+        return self._run(init, step, num_steps, batch_size)
+
+    def _check_batch(self, batch_size) -> None:
+        _check_count("batch_size", batch_size, 1, MAX_BATCH)
+        if batch_size * self.num_particles > MAX_PARTICLES_PER_STEP:
+            raise ValueError(
+                f"batch_size x num_particles = {batch_size} x {self.num_particles} exceeds the limit "
+                f"{MAX_PARTICLES_PER_STEP} (2**31) particles per step"
+            )
 
     def _run(self, init: Callable, step: Callable, num_steps: int, batch_size: int) -> SMCResult:
         N = self.num_particles
@@ -249,6 +276,7 @@ class SMC:
         if data is None:
             if num_steps is None or batch_size is None:
                 raise ValueError("without data, give num_steps and batch_size")
+            _check_count("num_steps", num_steps, 0, MAX_STEPS)
             B, T, event_shape = batch_size, num_steps, ()
         else:
             if not isinstance(data, torch.Tensor) or data.dim() < 1:
@@ -259,6 +287,7 @@ class SMC:
                 raise ValueError(f"data must have shape [batch_size={batch_size}, T, ...], got {tuple(data.shape)}")
             B, T = data.shape[:2]
             event_shape = data.shape[2:]
+        self._check_batch(B)
         N = self.num_particles
         reference = data if data is not None else next((a for a in init_args if isinstance(a, torch.Tensor)), None)
         dtype = reference.dtype if reference is not None else torch.get_default_dtype()
