@@ -124,7 +124,7 @@ GENERATORS: list[tuple[Callable, int]] = [  # (generator(rng, count, workdir), f
     (checkpoint_cases, 320),
     (save_cases, 40),
     (load_cases, 260),
-    (cli_cases, 14),
+    (cli_cases, 16),
 ]
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
 from benchmarks.reliability.artefacts import call_check
+from benchmarks.reliability.fixtures import forward, logits_of
 from benchmarks.reliability.harness import ROOT, Case, CliLeftFolder, CliTraceback
 from benchmarks.reliability.run_files import make_checkpoint_templates
 
@@ -39,6 +41,29 @@ def cli(args: list[str], cwd: Path, timeout: float, must_not_create: Path | None
     raise ValueError(last)
 
 
+TINY_RUN = """
+[model]
+kind = "transformer"
+width = 16
+heads = 2
+layers = 1
+ffn_width = 32
+dropout = 0.0
+
+[data]
+source = "train.txt"
+max_length = 16
+vocabulary = 60
+
+[train]
+batch_size = 8
+lr = 1e-3
+steps = 4
+warmup_steps = 0
+log_every = 1
+"""
+
+
 def cli_cases(rng, count: int, workdir: Path) -> list[Case]:
     folder = workdir / "cli"
     folder.mkdir()
@@ -61,11 +86,37 @@ def cli_cases(rng, count: int, workdir: Path) -> list[Case]:
         )
     )
 
-    def case(label, args, expect="refuse", names=(), creates=None, timeout=120.0, check=None):
-        run = lambda: cli(args, folder, timeout - 5, creates)  # noqa: E731
+    def case(label, args, expect="refuse", names=(), creates=None, timeout=120.0, check=None, before=None):
+        def run():
+            if before is not None:  # a command that must succeed first (in the same case: cases run in parallel)
+                cli(before, folder, timeout / 2, None)
+            return cli(args, folder, timeout / 2 if before else timeout - 5, creates)
+
         return Case(
             "probformer CLI", label, run, expect=expect, names=names, timeout=timeout, check=check, finite=False
         )
+
+    words = [f"w{i}" for i in range(40)]
+    order = __import__("random").Random(0)
+    lines = (" ".join(order.choice(words) for _ in range(order.randint(3, 9))) for _ in range(200))
+    (folder / "train.txt").write_text("\n".join(lines) + "\n")
+    (folder / "tiny.toml").write_text(TINY_RUN)
+
+    def run_check(out, run="run-t"):
+        """One metrics line per logged step and one final line, none twice; the saved model loads."""
+        from probformer.training import checkpoint
+
+        rows = [json.loads(line) for line in (folder / run / "metrics.jsonl").read_text().splitlines()]
+        steps = [row["step"] for row in rows if row.get("split") == "train"]
+        finals = [row for row in rows if row.get("final")]
+        if steps != [1, 2, 3, 4] or len(finals) != 1:
+            return (
+                "silent wrong",
+                f"metrics.jsonl logs train steps {steps} and {len(finals)} final lines (want 1..4, 1)",
+            )
+        model, _ = checkpoint.load(folder / run / "model")
+        model.eval()
+        return call_check(lambda tokens, mask: logits_of(forward(model, tokens, mask)))
 
     def export_check(out):
         import probformer
@@ -73,6 +124,21 @@ def cli_cases(rng, count: int, workdir: Path) -> list[Case]:
         return call_check(probformer.load(folder / "exported"))
 
     cases = [
+        case(
+            "train: a tiny run (4 steps)",
+            ["train", "--config", "tiny.toml", "--out", "run-t"],
+            expect="accept",
+            check=run_check,
+        ),
+        case(
+            "train --resume: a finished run again",
+            ["train", "--config", "tiny.toml", "--out", "run-r", "--resume"],
+            expect="either",
+            names=("finished", "complete", "already", "nothing to resume"),  # the only right reasons to refuse
+            check=lambda out: run_check(out, "run-r"),
+            before=["train", "--config", "tiny.toml", "--out", "run-r"],
+            timeout=240.0,
+        ),
         case("no command", [], names=("command", "required")),
         case(
             "train: config file missing",
