@@ -26,6 +26,13 @@ from inference.posterior import Posterior
 
 __all__ = ["Gibbs", "GibbsResult"]
 
+# Limits (issue 17): JAX allocates every draw up front, so absurd counts are refused
+# before it tries (num_samples=10**12 asked for 8 TB).
+MAX_DRAWS = 10**7  # num_samples and num_warmup, each, per chain
+MAX_CHAINS = 2**10
+MAX_SEED = 2**32 - 1  # jax.random.PRNGKey's seed range
+MAX_DRAWN_VALUES = 2**30  # chains x samples x the per-draw values of one sentence batch: 8 GiB of float64
+
 
 @dataclass
 class GibbsResult:
@@ -60,13 +67,14 @@ class Gibbs:
     """
 
     def __init__(self, crf, num_samples: int = 2000, num_warmup: int = 500, num_chains: int = 4, seed: int = 0):
-        for name, value, minimum in (
-            ("num_samples", num_samples, 1),
-            ("num_warmup", num_warmup, 0),
-            ("num_chains", num_chains, 1),
+        for name, value, minimum, maximum in (
+            ("num_samples", num_samples, 1, MAX_DRAWS),
+            ("num_warmup", num_warmup, 0, MAX_DRAWS),
+            ("num_chains", num_chains, 1, MAX_CHAINS),
+            ("seed", seed, 0, MAX_SEED),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+                raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
         self.crf = crf
         self.num_samples, self.num_warmup, self.num_chains, self.seed = (
             num_samples,
@@ -74,6 +82,17 @@ class Gibbs:
             num_chains,
             seed,
         )
+
+    def _check_draw_size(self, values_per_draw: int) -> None:
+        """Every draw keeps its z indicators, head conditionals and global conditionals
+        (``values_per_draw``), for every chain and sample: refuse a total above the limit."""
+        total = self.num_chains * self.num_samples * values_per_draw
+        if total > MAX_DRAWN_VALUES:
+            raise ValueError(
+                f"num_chains x num_samples x values per draw = {self.num_chains} x {self.num_samples} x "
+                f"{values_per_draw} exceeds the limit {MAX_DRAWN_VALUES} (2**30) stored values: "
+                f"reduce num_samples or num_chains, or sample fewer or shorter sentences"
+            )
 
     def sample(self, tokens, mask=None) -> GibbsResult:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -88,6 +107,7 @@ class Gibbs:
         crf.check_parameters()
         B, n = tokens.shape
         N, d, C, G = crf.topology.num_nodes(n), crf.labels, crf.channels, crf.global_labels
+        self._check_draw_size(B * (N * d + C * N * N + n * G))
         with torch.no_grad():
             arcs_t = crf.arc_mask(mask)
             unary = jnp.asarray(crf.unary_table(tokens, mask).double().cpu().numpy())

@@ -48,6 +48,34 @@ def test_gibbs_validates_its_arguments():
         inference.Gibbs(crf).sample(torch.tensor([[99]]))
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_samples=10**12), r"num_samples must be an integer >= 1 and <= 10000000 \(the limit\)"),
+        (dict(num_samples=10**7 + 1), r"num_samples .* <= 10000000"),
+        (dict(num_warmup=10**12), r"num_warmup must be an integer >= 0 and <= 10000000"),
+        (dict(num_chains=10**12), r"num_chains must be an integer >= 1 and <= 1024"),
+        (dict(num_chains=True), r"num_chains must be an integer"),
+        (dict(num_samples=2.0), r"num_samples must be an integer"),
+        (dict(seed=-1), r"seed must be an integer >= 0 and <= 4294967295"),
+        (dict(seed=2**64), r"seed must be an integer"),
+        (dict(seed="7"), r"seed must be an integer"),
+    ],
+)
+def test_gibbs_refuses_absurd_counts_naming_the_limit(kwargs, match):
+    # issue 17: num_samples=10**12 reached JAX (RESOURCE_EXHAUSTED allocating 8 TB)
+    crf, _, _ = case("full", 0, 0)
+    with pytest.raises(ValueError, match=match):
+        inference.Gibbs(crf, **kwargs)
+
+
+def test_gibbs_refuses_a_run_whose_draws_would_not_fit_before_sampling():
+    crf, tokens, mask = case("full", 0, 0)
+    # each count within its limit; together 1024 x 10**7 x (per-draw values) > 2**30
+    with pytest.raises(ValueError, match=r"num_chains x num_samples x values per draw = 1024 x 10000000 x \d+"):
+        inference.Gibbs(crf, num_samples=10**7, num_chains=1024).sample(tokens, mask)
+
+
 def test_gibbs_draws_are_reproducible_under_a_seed():
     crf, tokens, mask = case("window(1)", 0, 3)
     a = inference.Gibbs(crf, num_samples=50, num_warmup=10, seed=7).sample(tokens, mask)
