@@ -9,7 +9,7 @@ from pathlib import Path
 
 from benchmarks.reliability.artefacts import call_check
 from benchmarks.reliability.fixtures import forward, logits_of
-from benchmarks.reliability.harness import ROOT, Case, CliLeftFolder, CliTraceback
+from benchmarks.reliability.harness import ROOT, Case, CliLeftFolder, CliTraceback, Hang
 from benchmarks.reliability.run_files import make_checkpoint_templates
 
 
@@ -20,14 +20,17 @@ def cli(args: list[str], cwd: Path, timeout: float, must_not_create: Path | None
     import subprocess
 
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-m", "probformer", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=environment,
-    )
+    try:  # subprocess.run kills the command at its timeout: no orphan outlives the case
+        done = subprocess.run(
+            [sys.executable, "-m", "probformer", *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=environment,
+        )
+    except subprocess.TimeoutExpired:
+        raise Hang(f"python -m probformer {' '.join(args)} ran past {timeout:g} s (killed)") from None
     if done.returncode == 0:
         return {"stdout": done.stdout[-2000:]}
     lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
@@ -89,8 +92,8 @@ def cli_cases(rng, count: int, workdir: Path) -> list[Case]:
     def case(label, args, expect="refuse", names=(), creates=None, timeout=120.0, check=None, before=None):
         def run():
             if before is not None:  # a command that must succeed first (in the same case: cases run in parallel)
-                cli(before, folder, timeout / 2, None)
-            return cli(args, folder, timeout / 2 if before else timeout - 5, creates)
+                cli(before, folder, timeout / 2 - 5, None)
+            return cli(args, folder, timeout / 2 - 5 if before else timeout - 5, creates)
 
         return Case(
             "probformer CLI", label, run, expect=expect, names=names, timeout=timeout, check=check, finite=False

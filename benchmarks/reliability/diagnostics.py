@@ -108,7 +108,7 @@ def ess_cases(rng, count: int, workdir: Path) -> list[Case]:
             cases.append(
                 Case(
                     "probformer.diagnostics.ess",
-                    label,
+                    f"{label} (from {dtype} [{batch}, {size}])",
                     run,
                     names=names,
                     accepted="silent NaN" if non_finite else "silent wrong",
@@ -196,7 +196,7 @@ def pareto_cases(rng, count: int, workdir: Path) -> list[Case]:
             cases.append(
                 Case(
                     "probformer.diagnostics.pareto_k",
-                    label,
+                    f"{label} (from [{batch}, {draws}])",
                     run,
                     names=names,
                     accepted="silent NaN" if non_finite else "silent wrong",
@@ -308,7 +308,7 @@ def diversity_cases(rng, count: int, workdir: Path) -> list[Case]:
             cases.append(
                 Case(
                     "probformer.diagnostics.diversity",
-                    label,
+                    f"{label} (from [{batch}, {length}, {width}])",
                     run,
                     names=names,
                     accepted="silent NaN" if non_finite else "silent wrong",

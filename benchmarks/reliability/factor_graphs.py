@@ -174,14 +174,15 @@ def topology_cases(rng, count: int, workdir: Path) -> list[Case]:
                     ("mask", None),
                 ]
             )
+            base = rng.choice(["full", "causal", "root", "star"])
             if name == "mask":
-                run = lambda value=value: topology.full().mask(value)  # noqa: E731
-                names = ("n", "length")
+                run = lambda value=value, base=base: getattr(topology, base)().mask(value)  # noqa: E731
+                names, label = ("n", "length"), f"{base}().mask({value!r})"
             else:
-                run = lambda name=name, value=value: getattr(topology, name)(value).mask(4)  # noqa: E731
-                names = (name, "w", "k", "length", "wrap")
+                run = lambda name=name, value=value, n=n: getattr(topology, name)(value).mask(n)  # noqa: E731
+                names, label = (name, "w", "k", "length", "wrap"), f"{name}({value!r}).mask({n})"
             expect = "either" if (name, value) == ("segments", 10**12) else "refuse"  # one segment: valid
-            cases.append(Case("graphs.topology constructors", f"{name}({value!r})", run, expect=expect, names=names))
+            cases.append(Case("graphs.topology constructors", label, run, expect=expect, names=names))
     return cases
 
 

@@ -140,6 +140,8 @@ def run_case(case: Case) -> tuple[str, str]:
     except BaseException as error:  # noqa: BLE001 - classifying every exception is the point
         if isinstance(error, KeyboardInterrupt):
             raise
+        if isinstance(error, Hang):
+            return "hang", str(error)
         outcome = classify_error(case, error)
         if outcome[0] == "obscure error" and not isinstance(error, CLEAR_TYPES + (CliTraceback, CliLeftFolder)):
             where = traceback.extract_tb(error.__traceback__)[-1]
@@ -253,6 +255,10 @@ def run_cases(cases: list[Case], jobs: int, progress: bool = True) -> list[dict]
         worker.process.join(timeout=5)
         worker.kill()
     return results
+
+
+class Hang(Exception):
+    """A case's own subprocess ran past its time limit (and was killed by it)."""
 
 
 class CliTraceback(Exception):
