@@ -1,4 +1,4 @@
-"""The reliability suite of issue 17 (benchmarks/reliability.py).
+"""The reliability suite of issue 17 (benchmarks/reliability/, which writes docs/reliability.md).
 
 First the instrument itself: every outcome class is produced by a case built to produce
 it, so a failure below is the library's, not a misreading. Then a fast subset of the
@@ -87,6 +87,11 @@ def test_every_outcome_is_recognised(tmp_path: Path):
         ),
         (harness.Case("t", "invalid accepted", lambda: torch.ones(2)), "silent wrong"),
         (harness.Case("t", "sleeps", _sleep, timeout=1.0), "hang"),
+        (harness.Case("t", "subprocess past its limit", _raise(harness.Hang("ran past 5 s"))), "hang"),
+        (
+            harness.Case("t", "CLI traceback", _raise(harness.CliTraceback("ValueError: width")), names=("width",)),
+            "obscure error",
+        ),
         (
             harness.Case("t", "payload", _unpickle_payload(marker), expect="either", marker=marker, finite=False),
             "code executed",
