@@ -5,6 +5,7 @@ every config enforces before a model is built."""
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import typing
@@ -68,6 +69,8 @@ class ConfigMixin:
     """Config dataclasses inherit this. Each subclass's ``__post_init__`` is wrapped so that,
     whatever the subclass checks itself, the config first refuses
 
+    - a value not of its key's annotated type (``check_types``: bool keys take only True or
+      False, int keys no bool, float keys an int too, ``X | None`` None);
     - an integer key above its maximum in ``LIMITS`` (``DEFAULT_LIMIT`` if unlisted):
       vocab_size, num_classes, vocabulary 2**24; width, labels, mup_base_width 2**16;
       ffn_width 2**18; rank 2**14; global_labels 2**20; memory_topk 2**16; heads,
@@ -80,6 +83,7 @@ class ConfigMixin:
       in magnitude;
     - a ``topology`` whose arguments exceed ``graphs.topology``'s limits (clusters k <=
       2**14, window w and segments l <= 2**20);
+    - a ``dropout`` outside [0, 1), in every config that has one;
 
     and, after the subclass's own checks, a config whose estimated parameter count
     (``estimated_parameters``) exceeds ``MAX_PARAMETERS`` = 2**31. Each error names the key
@@ -89,11 +93,21 @@ class ConfigMixin:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         own = cls.__dict__.get("__post_init__")
-        if own is None or getattr(own, "checks_limits", False):
+        if own is None:
+            if hasattr(cls, "__post_init__"):  # inherited from a config class: already wrapped
+                return
+
+            def own(self):
+                return None
+
+        elif getattr(own, "checks_limits", False):
             return
 
         def __post_init__(self):
+            self.check_types()
             self.check_limits()
+            if any(f.name == "dropout" for f in fields(self)):
+                self.check_dropout()
             own(self)
             self.check_size()
 
@@ -101,9 +115,22 @@ class ConfigMixin:
         __post_init__.__doc__ = own.__doc__
         cls.__post_init__ = __post_init__
 
+    def check_types(self) -> None:
+        """Every key's value of its annotated type (as ``from_dict`` checks), so a config built
+        directly refuses ``aligned_training=None`` or ``act_epsilon='0.1'`` naming the key,
+        before any comparison: bool keys take only bools, int keys refuse bools, float keys
+        take ints, ``X | None`` takes None."""
+        hints = _type_hints(type(self))
+        for f in fields(self):
+            value, hint = getattr(self, f.name), hints[f.name]
+            if not _matches(value, hint):
+                raise ValueError(
+                    f"config key {f.name!r} must be of type {_describe(hint)}, got {type(value).__name__} {value!r}"
+                )
+
     def check_limits(self) -> None:
         """Every integer key within ``LIMITS``, every number finite and within ``MAX_FLOAT``.
-        Values of the wrong type are left to the subclass's checks, which name them."""
+        Runs after ``check_types``: every value has its annotated type."""
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool):
@@ -196,7 +223,7 @@ class ConfigMixin:
         missing = [name for name in missing if name not in values]
         if missing:
             raise ValueError(f"config keys {[prefix + k for k in missing]} are required")
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         for name, value in values.items():
             if not _matches(value, hints[name]):
                 raise ValueError(
@@ -207,6 +234,11 @@ class ConfigMixin:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@functools.cache
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
 
 
 def _matches(value, hint) -> bool:

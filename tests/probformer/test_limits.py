@@ -160,3 +160,69 @@ def test_config_limits_read_the_crf_table():
     crf_sizes |= {"global_labels": 2**20, "gamma": 2**12, "ternary_blocks": 2**10}
     assert graphs.crf.LIMITS == crf_sizes
     assert {name: configs.LIMITS[name] for name in crf_sizes} == crf_sizes
+
+
+# ---- value types of a config built directly (not through from_dict) -----------------------
+
+# The oracle: which Python values each annotation (as written in the dataclass) takes.
+TYPE_ORACLE = {
+    "bool": lambda v: isinstance(v, bool),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "dict": lambda v: isinstance(v, dict),
+    "None": lambda v: v is None,
+}
+WRONG_TYPED = [None, "0.1", "yes", True, 2, 0.5, [1], {"a": 1}, b"1"]
+
+
+def annotation_takes(annotation: str, value) -> bool:
+    return any(TYPE_ORACLE[arm.strip()](value) for arm in annotation.split("|"))
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@given(value=st.sampled_from(WRONG_TYPED), data=st.data())
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key(kind, value, data):
+    cls = CONFIGS[kind]
+    key = data.draw(st.sampled_from([f for f in dataclasses.fields(cls) if not annotation_takes(f.type, value)]))
+    message = refused_fast(lambda: make(cls, **{key.name: value}), f"config key {key.name!r} must be of type")
+    assert f"got {type(value).__name__} {value!r}" in message
+
+
+@pytest.mark.parametrize(
+    "kind,values,match",
+    [  # the reliability benchmark's cases (issue 17): accepted, or a TypeError naming no key
+        ("probabilistic_transformer", dict(aligned_training=None), "'aligned_training' must be of type bool"),
+        ("probabilistic_transformer", dict(aligned_training="yes"), "'aligned_training' must be of type bool"),
+        ("probabilistic_transformer", dict(topology=None), "'topology' must be of type str"),
+        ("probabilistic_transformer", dict(act_epsilon="0.1"), "'act_epsilon' must be of type float"),
+        ("particle_transformer", dict(jitter="0.1"), "'jitter' must be of type float"),
+        ("particle_transformer", dict(temperature=None), "'temperature' must be of type float"),
+        ("transformer", dict(vocab_size=True), "'vocab_size' must be of type int"),
+    ],
+)
+def test_the_benchmark_type_cases_are_refused_naming_the_key(kind, values, match):
+    refused_fast(lambda: make(CONFIGS[kind], **values), match)
+
+
+def test_float_keys_take_integers():
+    config = make(CONFIGS["particle_transformer"], temperature=2, jitter=0, dropout=0)
+    assert (config.temperature, config.jitter, config.dropout) == (2, 0, 0)
+
+
+DROPOUT_KINDS = [kind for kind, cls in CONFIGS.items() if "dropout" in {f.name for f in dataclasses.fields(cls)}]
+
+
+@pytest.mark.parametrize("kind", DROPOUT_KINDS)
+@given(value=st.floats(allow_nan=True, allow_infinity=True, width=32))
+def test_every_config_dropout_lies_in_zero_one(kind, value):
+    # issue 17: PTConfig(dropout=-0.5) was accepted
+    cls = CONFIGS[kind]
+    if 0 <= value < 1:
+        assert make(cls, dropout=value).dropout == value
+    else:
+        refused_fast(lambda: make(cls, dropout=value), "'dropout'")
+
+
+def test_every_model_config_has_a_dropout():
+    assert set(DROPOUT_KINDS) == set(registry.KINDS)
