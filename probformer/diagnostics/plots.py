@@ -73,20 +73,17 @@ def plot_report(data, directory) -> list[str]:
         twin.legend(loc="upper right", fontsize=7)
 
     figure("diversity", draw_diversity)
-    if "elbo" in groups:
-        figure(
-            "elbo",
-            lambda ax: (
-                ax.plot(data["elbo"]["elbo"].values, marker="o"),
-                ax.set(title="mean-field ELBO", xlabel="iteration", ylabel="ELBO"),
-            ),
-        )
-    if "routing" in groups:
-        figure(
-            "routing",
-            lambda ax: (
-                ax.plot(data["routing"]["cluster_ess"].values, marker="o"),
-                ax.set(title="ESS of cluster occupancy / clusters", xlabel="layer", ylabel="normalised ESS"),
-            ),
-        )
+    lines = {  # group: (variable, title, x label, y label)
+        "elbo": ("elbo", "mean-field ELBO", "iteration", "ELBO"),
+        "routing": ("cluster_ess", "ESS of cluster occupancy / clusters", "layer", "normalised ESS"),
+    }
+    for group, (variable, title, xlabel, ylabel) in lines.items():
+        if group in groups:
+            values = data[group][variable].values
+            figure(group, lambda ax, v=values, s=(title, xlabel, ylabel): _line(ax, v, *s))
     return written
+
+
+def _line(ax, values, title: str, xlabel: str, ylabel: str) -> None:
+    ax.plot(values, marker="o")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
