@@ -27,7 +27,12 @@ MIN_PSIS_DRAWS = 21
 
 def _check_tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        value = torch.as_tensor(value, dtype=torch.float64)
+        try:
+            value = torch.as_tensor(np.asarray(value, dtype=np.float64))
+        except (TypeError, ValueError) as error:  # strings, ragged lists, objects
+            raise ValueError(f"{name} must be a tensor or array of real numbers, got {value!r:.80} ({error})") from None
+    if value.dtype.is_complex:
+        raise ValueError(f"{name} must hold real numbers, got dtype {value.dtype}")
     if not value.dtype.is_floating_point:
         value = value.double()
     if value.numel() == 0:
@@ -35,6 +40,15 @@ def _check_tensor(name: str, value) -> torch.Tensor:
     if torch.isnan(value).any():
         raise ValueError(f"{name} contains NaN")
     return value
+
+
+def _check_dim(dim, ndim: int) -> int:
+    if ndim == 0:
+        raise ValueError("the weights must have at least one dim (the weights to measure), got a 0-d value")
+    low, high = -ndim, ndim - 1
+    if isinstance(dim, bool) or not isinstance(dim, int) or not low <= dim <= high:
+        raise ValueError(f"dim must be an integer in [{low}, {high}] (the weights have {ndim} dims), got {dim!r}")
+    return dim
 
 
 def ess(weights=None, *, log_weights=None, dim: int = -1, normalized: bool = False) -> torch.Tensor:
@@ -52,8 +66,11 @@ def ess(weights=None, *, log_weights=None, dim: int = -1, normalized: bool = Fal
     """
     if (weights is None) == (log_weights is None):
         raise ValueError("give exactly one of weights or log_weights")
+    if not isinstance(normalized, bool):
+        raise ValueError(f"normalized must be True or False, got {normalized!r}")
     if log_weights is not None:
         lw = _check_tensor("log_weights", log_weights)
+        _check_dim(dim, lw.dim())
         if torch.isposinf(lw).any():
             raise ValueError("log_weights contains +inf")
         if torch.isneginf(lw).all(dim=dim).any():
@@ -62,6 +79,7 @@ def ess(weights=None, *, log_weights=None, dim: int = -1, normalized: bool = Fal
         w = (lw - lw.amax(dim, keepdim=True)).double().exp()
     else:
         w = _check_tensor("weights", weights)
+        _check_dim(dim, w.dim())
         if (w < 0).any() or torch.isinf(w).any():
             raise ValueError("weights must be finite and non-negative")
         if (w.sum(dim) == 0).any():
@@ -88,6 +106,12 @@ def pareto_k(log_weights, relative_efficiency: float = 1.0) -> ParetoK:
     """PSIS Pareto k-hat of log importance ratios ``[..., S]`` (last axis: the S draws),
     computed by ArviZ's ``psislw``."""
     lw = _check_tensor("log_weights", log_weights).detach().cpu().double().numpy()
+    if lw.ndim == 0:
+        raise ValueError("log_weights must have a draws axis: shape [..., S], got a 0-d value")
+    if isinstance(relative_efficiency, bool) or not isinstance(relative_efficiency, int | float):
+        raise ValueError(f"relative_efficiency must be a finite number > 0, got {relative_efficiency!r}")
+    if not (math.isfinite(relative_efficiency) and relative_efficiency > 0):  # ArviZ divides by it
+        raise ValueError(f"relative_efficiency must be a finite number > 0, got {relative_efficiency!r}")
     if np.isposinf(lw).any():
         raise ValueError("log_weights contains +inf")
     if np.isneginf(lw).all(axis=-1).any():
@@ -137,9 +161,18 @@ def diversity(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> Diversi
     if (mask.sum(1) < 1).any():
         raise ValueError("every sequence needs at least one real token")
     x = hidden.double() * mask[..., None]
+    # every statistic is scale-invariant: each sequence divided by its largest entry, so no
+    # square underflows or overflows in the SVD and norms (hidden of size 1e-200 or 1e200)
+    peak = x.abs().amax((1, 2), keepdim=True)
+    x = x / torch.where(peak > 0, peak, 1.0)
     count = mask.sum(1).double()
 
-    unit = torch.nn.functional.normalize(x, dim=-1)
+    # Each token scaled by its largest entry first, so its norm lies in [1, sqrt(D)]: exact
+    # for any magnitude (F.normalize's eps swamped tokens of size 1e-20). Zero tokens stay 0.
+    largest = x.abs().amax(-1, keepdim=True)
+    scaled = x / torch.where(largest > 0, largest, 1.0)
+    length = scaled.norm(dim=-1, keepdim=True)
+    unit = scaled / torch.where(length > 0, length, 1.0)
     gram = unit @ unit.transpose(1, 2)
     pairs = (mask[:, :, None] & mask[:, None, :]) & ~torch.eye(n, dtype=torch.bool, device=x.device)
     pair_count = pairs.sum((1, 2)).double()

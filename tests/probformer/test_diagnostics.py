@@ -89,6 +89,37 @@ def test_ess_bad_input(kwargs, match):
         diagnostics.ess(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [  # the reliability benchmark's cases (issue 17): IndexError or "too many dimensions 'str'"
+        (
+            dict(log_weights=torch.zeros(3, 4), dim=5),
+            r"dim must be an integer in \[-2, 1\] \(the weights have 2 dims\)",
+        ),
+        (dict(weights=torch.ones(3, 4), dim=-3), r"dim must be an integer in \[-2, 1\]"),
+        (dict(weights=torch.ones(3), dim=0.0), r"dim must be an integer"),
+        (dict(weights=torch.tensor(0.5)), "at least one dim"),
+        (dict(weights=["a", "b"]), "weights must be a tensor or array of real numbers"),
+        (dict(log_weights=[[0.0], [1.0, 2.0]]), "log_weights must be a tensor or array of real numbers"),
+        (dict(weights=torch.ones(3, dtype=torch.complex64)), "weights must hold real numbers"),
+        (dict(weights=torch.ones(3), normalized="yes"), "normalized must be True or False"),
+    ],
+)
+def test_ess_names_the_bad_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        diagnostics.ess(**kwargs)
+
+
+@given(st.integers(1, 4), st.integers(-6, 6))
+def test_ess_takes_exactly_the_dims_the_weights_have(ndim, dim):
+    weights = torch.ones((2,) * ndim)
+    if -ndim <= dim < ndim:
+        assert (diagnostics.ess(weights, dim=dim) == 2).all()  # two equal weights along any dim
+    else:
+        with pytest.raises(ValueError, match="dim must be an integer"):
+            diagnostics.ess(weights, dim=dim)
+
+
 # ---- Pareto k ------------------------------------------------------------------
 
 
@@ -154,6 +185,24 @@ def test_pareto_k_bad_input():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         diagnostics.pareto_k(np.r_[np.zeros(99), -np.inf])  # some -inf weights are fine
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [  # issue 17: IndexError, "too many dimensions 'str'", ZeroDivisionError or silent NaN
+        ((["a"],), {}, "log_weights must be a tensor or array of real numbers"),
+        ((torch.tensor(0.5),), {}, r"log_weights must have a draws axis: shape \[..., S\]"),
+        ((np.zeros(100),), dict(relative_efficiency=0), "relative_efficiency must be a finite number > 0, got 0"),
+        ((np.zeros(100),), dict(relative_efficiency=-1.0), "relative_efficiency must be a finite number > 0"),
+        ((np.zeros(100),), dict(relative_efficiency=math.nan), "relative_efficiency must be a finite number > 0"),
+        ((np.zeros(100),), dict(relative_efficiency=math.inf), "relative_efficiency must be a finite number > 0"),
+        ((np.zeros(100),), dict(relative_efficiency="1"), "relative_efficiency must be a finite number > 0"),
+        ((np.zeros(100),), dict(relative_efficiency=True), "relative_efficiency must be a finite number > 0"),
+    ],
+)
+def test_pareto_k_names_the_bad_argument(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        diagnostics.pareto_k(*args, **kwargs)
 
 
 # ---- diversity -------------------------------------------------------------------
@@ -393,3 +442,35 @@ def test_diagnose_cli_writes_the_report(tmp_path, capsys):
     assert (tmp_path / "out" / "report.nc").stat().st_size > 0
     with pytest.raises(FileNotFoundError, match="neither ptb-<split> nor an existing file"):
         cli.main(["diagnose", str(tmp_path / "ck"), "--data", "nowhere.txt", "--out", str(tmp_path / "o2")])
+
+
+@given(
+    exponent=st.integers(-300, 300),
+    width=st.integers(1, 6),
+    tokens=st.integers(2, 5),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_equal_tokens_are_fully_collapsed_at_any_magnitude(exponent, width, tokens, dtype):
+    # issue 17: tokens of size 1e-20 gave cosine ~1e-16 (F.normalize's eps swamped them)
+    scale = 10.0**exponent
+    if dtype == torch.float32 and not 1e-37 < scale < 1e37:
+        return  # not representable as a normal float32
+    hidden = torch.full((1, tokens, width), scale, dtype=dtype)
+    result = diagnostics.diversity(hidden)
+    assert result.cosine.item() == pytest.approx(1.0, abs=1e-12)
+    assert result.effective_rank.item() == pytest.approx(1.0, abs=1e-9)
+    assert result.rank_one_distance.item() == pytest.approx(0.0, abs=1e-12)
+
+
+@given(exponent=st.integers(-300, 300))
+def test_orthogonal_tokens_stay_orthogonal_at_any_magnitude(exponent):
+    hidden = torch.eye(4, dtype=torch.float64)[None] * 10.0**exponent
+    result = diagnostics.diversity(hidden)
+    assert result.cosine.item() == pytest.approx(0.0, abs=1e-12)
+    assert result.effective_rank.item() == pytest.approx(4.0)
+
+
+def test_cosine_of_tokens_of_very_different_magnitudes():
+    # two tokens at 45 degrees, one 1e-30 times the other: cosine 1/sqrt(2) exactly
+    hidden = torch.tensor([[[1.0, 0.0], [1e-30, 1e-30]]], dtype=torch.float64)
+    assert diagnostics.diversity(hidden).cosine.item() == pytest.approx(2**-0.5, rel=1e-12)
