@@ -146,7 +146,7 @@ def topology_cases(rng, count: int, workdir: Path) -> list[Case]:
                     f"parse({broken!r}).mask({n})",
                     lambda broken=broken, n=n: topology.parse(broken).mask(n),
                     expect=expect,
-                    names=("topology",) + tuple(TERM_ARGS) + ((broken,) if broken.strip() else ()),
+                    names=("topology", "segment") + tuple(TERM_ARGS) + ((broken,) if broken.strip() else ()),
                 )
             )
         else:  # bad constructor arguments, bad sizes
