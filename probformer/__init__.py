@@ -23,10 +23,12 @@ _HOMES = {
     "FoldedContext": "probformer.models.folded_context",
     "RecallTask": "probformer.training.recall",
     "TaskHead": "probformer.models.blocks",
+    "TransformerConfig": "probformer.models.baselines",
+    "Transformer": "probformer.models.baselines",
     "export": "probformer.deploy",
     "load": "probformer.deploy",
 }
-_MODULES = ("diagnostics", "mup", "baselines", "runtime", "deploy")
+_MODULES = ("models", "training", "deploy", "diagnostics", "mup")
 __all__ = sorted(_HOMES) + list(_MODULES)
 
 

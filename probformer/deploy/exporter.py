@@ -66,6 +66,7 @@ def _refuse_untraceable(kind: str, model: nn.Module, format: str) -> None:
     options = {
         "halting='act' or 'exit' (the number of iterations depends on the tokens)": engine.halting != "none",
         "schedule='sequential' (one Python step per node)": engine.schedule == "sequential",
+        "span=True (ONNX has no clamp to a tensor bound)": format == "onnx" and engine.span is not None,
     }
     found = [name for name, used in options.items() if used]
     if found:

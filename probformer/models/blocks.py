@@ -75,7 +75,7 @@ def window_attention(q, k, v, key_bias, left: int, right: int, dropout_p: float 
     """Attention of each query i to the keys i - left .. i + right only, never across the
     ends of the sequence: ``q, k, v [B, H, n, dh]``, ``key_bias [B, n]`` (padding -inf).
     O(n (left + right + 1) dh) time and memory, against O(n^2 dh) for a banded mask: the
-    keys are unfolded into windows. A query with no allowed key (padding) attends to
+    keys are gathered into windows. A query with no allowed key (padding) attends to
     itself, so nothing turns into NaN."""
     n = q.shape[2]
     # key positions i - left .. i + right per query, gathered (not unfolded from a padded

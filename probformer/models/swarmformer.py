@@ -91,10 +91,14 @@ class SwarmConfig(ConfigMixin):
 def _top_fraction(confidence, mask, fraction: float):
     """``[B, n]`` bool: each row's ceil(fraction * real tokens) most confident real tokens."""
     keep = torch.ceil(fraction * mask.sum(1, keepdim=True)).long()  # [B, 1]
-    ranked = confidence.masked_fill(~mask, float("-inf")).argsort(1, descending=True)
-    rank = torch.empty_like(ranked).scatter_(
-        1, ranked, torch.arange(mask.shape[1], device=mask.device).expand_as(ranked)
-    )
+    # rank = how many real tokens come first: more confident, or as confident and earlier.
+    # Ties (every confidence is 1 under contiguous routing) go in position order whatever
+    # the backend: no sort, whose tie order differs between torch and ONNX.
+    scores = confidence.masked_fill(~mask, float("-inf"))
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    earlier = positions[None, :, None] < positions[None, None, :]  # [1, j, i]: j before i
+    first = (scores[:, :, None] > scores[:, None, :]) | ((scores[:, :, None] == scores[:, None, :]) & earlier)
+    rank = (first & mask[:, :, None]).sum(1)  # [B, n]
     return (rank < keep) & mask
 
 

@@ -130,6 +130,21 @@ def test_the_torch_format_runs_the_model_itself(every_export):
         assert type(loaded) is type(model) and loaded.config == model.config
 
 
+def test_swarmformer_with_contiguous_routing_exports_at_every_length(tmp_path):
+    """Contiguous routing ties every confidence: the writers must not depend on how a
+    backend breaks ties (torch and ONNX sort ties differently from 17 tokens on)."""
+    torch.manual_seed(0)
+    config = probformer.SwarmConfig(
+        vocab_size=VOCAB, width=16, heads=2, layers=3, ffn_width=32, max_length=40, routing="contiguous", top_p=0.5
+    )
+    model = probformer.SwarmFormer(config).eval()
+    artefact = probformer.load(probformer.export(model, tmp_path / "swarm.onnx", "onnx"))
+    tokens = torch.randint(0, VOCAB, (2, 37))
+    mask = torch.arange(37)[None, :] < torch.tensor([[37], [23]])
+    with torch.no_grad():
+        assert (artefact(tokens, mask) - model(tokens, mask)[0]).abs().max().item() <= TOLERANCE
+
+
 def test_folded_context_stream_and_windowed_baseline_export(tmp_path):
     model = folded(folded=False)
     for format, name in FILES.items():
@@ -360,6 +375,8 @@ def test_bad_export_requests_are_refused(tmp_path):
             probformer.export(pt(halting="exit"), tmp_path / "x", format=format)
         with pytest.raises(ValueError, match="schedule='sequential'"):
             probformer.export(pt(schedule="sequential"), tmp_path / "x", format=format)
+    with pytest.raises(ValueError, match="span=True"):
+        probformer.export(pt(span=True), tmp_path / "x", format="onnx")
     model = pt()
     model.crf.topology = graphs.topology.Topology("custom", (), lambda n: torch.ones(n, n, dtype=torch.bool))
     with pytest.raises(ValueError, match="topology 'custom' is not the config's"):

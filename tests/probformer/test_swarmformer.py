@@ -198,8 +198,24 @@ def test_trains_through_the_run_config_and_checkpoints(tmp_path):
     tokens, mask = padded_batch([8, 3], vocab=30)
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(tokens, mask)[0], model.eval()(tokens, mask)[0])
-    with pytest.raises(ValueError, match="swarmformer cannot be exported yet"):
-        deploy.export(model, tmp_path / "out")
+    assert_close = torch.testing.assert_close
+    assert_close(deploy.load(deploy.export(model, tmp_path / "out"))(tokens, mask), model(tokens, mask)[0])
+
+
+@pytest.mark.parametrize("routing", ["contiguous", "gumbel"])
+def test_writers_tie_break_in_position_order(routing):
+    """Contiguous routing gives every token confidence 1: the writers are the first
+    ceil(p n) real tokens (the rule ONNX's TopK and torch agree on), for any length."""
+    from probformer.models.swarmformer import _top_fraction
+
+    for n in (3, 17, 40):
+        mask = torch.arange(n)[None, :] < torch.tensor([[n], [n - 2]])
+        chosen = _top_fraction(torch.ones(2, n), mask, 0.5)
+        for row, real in enumerate((n, n - 2)):
+            expected = torch.arange(n) < -(-real // 2)
+            assert torch.equal(chosen[row], expected & mask[row])
+    confidence = torch.tensor([[0.1, 0.9, 0.5, 0.9]])
+    assert _top_fraction(confidence, torch.ones(1, 4, dtype=torch.bool), 0.5).tolist() == [[False, True, False, True]]
 
 
 @pytest.mark.parametrize(
