@@ -111,12 +111,15 @@ def read_conllu(path) -> list[TreebankSentence]:
 
 
 def ewt_path(split: str) -> Path:
-    """UD English-EWT (CC BY-SA 4.0) from ``$PROBFORMER_EWT`` or the workspace's
-    ``shared/data/ud-english-ewt`` beside this repository."""
+    """UD English-EWT (CC BY-SA 4.0) from the folder named by ``$PROBFORMER_EWT``
+    (``en_ewt-ud-{train,dev,test}.conllu``, as in the UD release)."""
     if split not in ("train", "dev", "test"):
         raise ValueError(f"unknown EWT split {split!r}; allowed: ['train', 'dev', 'test']")
-    default = Path(__file__).resolve().parents[3] / "shared" / "data" / "ud-english-ewt"
-    folder = Path(os.environ.get("PROBFORMER_EWT", default))
+    if not os.environ.get("PROBFORMER_EWT"):
+        raise FileNotFoundError(
+            "UD English-EWT: set PROBFORMER_EWT to the folder holding en_ewt-ud-{train,dev,test}.conllu"
+        )
+    folder = Path(os.environ["PROBFORMER_EWT"])
     path = folder / f"en_ewt-ud-{split}.conllu"
     if not path.is_file():
         raise FileNotFoundError(f"UD English-EWT not found at {path}; set PROBFORMER_EWT to its folder")
