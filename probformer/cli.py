@@ -118,14 +118,18 @@ def run_diagnose(checkpoint: str, data: str, out: str, count: int) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     report.to_netcdf(str(out_dir / "report.nc"))
     figures = diagnostics.plot_report(report, out_dir)
-    ess, k, div = report["ess"], report["pareto_k"], report["diversity"]
     print(f"{type(model).__name__} on {len(sentences)} sentences of {data}")
-    print("layer  ESS(received)/n  k-hat(mass)  cosine  eff.rank  dist(rank-1)")
-    for layer in range(ess.sizes["layer"]):
+    div = report["diversity"]
+    has_weights = "ess" in report.groups()  # models without attention weights report diversity only
+    print("layer  " + ("ESS(received)/n  k-hat(mass)  " if has_weights else "") + "cosine  eff.rank  dist(rank-1)")
+    for layer in range(div.sizes["layer"]):
+        weights = ""
+        if has_weights:
+            ess = float(report["ess"]["columns"][layer].mean())
+            k_hat = float(np.nanmean(report["pareto_k"]["attention_mass"][layer]))
+            weights = f"{ess:15.3f}  {k_hat:11.3f}  "
         print(
-            f"{layer:5d}  {float(ess['columns'][layer].mean()):15.3f}"
-            f"  {float(np.nanmean(k['attention_mass'][layer])):11.3f}"
-            f"  {float(div['cosine'][layer]):6.3f}  {float(div['effective_rank'][layer]):8.2f}"
+            f"{layer:5d}  {weights}{float(div['cosine'][layer]):6.3f}  {float(div['effective_rank'][layer]):8.2f}"
             f"  {float(div['rank_one_distance'][layer]):12.3f}"
         )
     if "elbo" in report.groups():

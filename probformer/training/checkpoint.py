@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from probformer.models import registry
 from probformer.models.blocks import check_state
 from probformer.training.data import SubwordVocabulary, Vocabulary
 
-__all__ = ["save", "load", "MODELS", "FORMAT", "WriteError", "write_failure", "check_finite"]
+__all__ = ["save", "load", "FORMAT", "WriteError", "write_failure", "check_finite"]
 
 FORMAT = "probformer-checkpoint/1"
 
@@ -51,37 +50,6 @@ def write_failure(path, error: BaseException) -> WriteError:
         culprit = getattr(error, "filename", None)
     where = f" (at {culprit})" if culprit and str(culprit) != str(path) else ""
     return WriteError(f"cannot write {path}: {reason}{where}", getattr(error, "errno", None), culprit, reason)
-
-
-class _Models(Mapping):
-    """``kind -> (config class, model class)``, read from ``probformer.models.registry``
-    (kept for code that still indexes ``checkpoint.MODELS``)."""
-
-    def __getitem__(self, kind: str) -> tuple[type, type]:
-        if kind not in registry.KINDS:
-            raise KeyError(kind)
-        return registry.classes(kind)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(registry.KINDS)
-
-    def __len__(self) -> int:
-        return len(registry.KINDS)
-
-
-MODELS = _Models()
-
-
-def _unique_state(model) -> dict:
-    """The state dict with every shared tensor once (the PT's ``crf`` is also
-    ``mean_field.crf``): safetensors refuses aliased tensors."""
-    seen, unique = set(), {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            unique[name] = tensor
-    return unique
 
 
 def check_finite(tensors: dict, where) -> None:
@@ -119,7 +87,7 @@ def save(model, directory, vocabulary: Vocabulary | None = None) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise write_failure(directory, error) from None
-    weights = {k: v.detach().contiguous().cpu() for k, v in _unique_state(model).items()}
+    weights = {k: v.detach().contiguous().cpu() for k, v in registry.unique_state(model).items()}
     _atomic_write(directory / "model.safetensors", lambda p: save_file(weights, str(p)))
     _atomic_write(directory / "config.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
     if vocabulary is not None:
@@ -153,7 +121,7 @@ def load(directory):
         weights = load_file(str(weights_path))
     except Exception as error:  # safetensors raises its own errors on truncated or foreign files
         raise ValueError(f"{weights_path} is not a readable safetensors file: {error}") from None
-    check_state(weights, _unique_state(model), weights_path)
+    check_state(weights, registry.unique_state(model), weights_path)
     try:
         check_finite(weights, weights_path)
     except FloatingPointError as error:

@@ -79,7 +79,7 @@ def test_shipped_baselines_have_the_pt_parameter_count(size):
     counts = {}
     for kind in ("pt", "bert", "ut"):
         config = run_config.load(Path("configs") / f"{kind}-{size}.toml")
-        _, model_cls = __import__("probformer.training.checkpoint", fromlist=["MODELS"]).MODELS[config.kind]
+        _, model_cls = __import__("probformer.models.registry", fromlist=["classes"]).classes(config.kind)
         with torch.device("meta"):
             model = model_cls(config.model_config(vocab_size=10_000))
         counts[kind] = sum(p.numel() for p in model.parameters())
