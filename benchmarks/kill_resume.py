@@ -40,35 +40,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WALL_CLOCK_KEYS = ("elapsed", "tokens_per_second")  # as probformer.training.run_log says
 
-TINY = """
-[model]
-kind = "probabilistic_transformer"
-labels = 8
-channels = 2
-rank = 2
-iterations = 1
-dropout = 0.1
-mup = true
+sys.path.insert(0, str(ROOT))
+from tests.probformer.test_kill_resume import TINY as TEST_RUN  # noqa: E402  (one tiny run for both)
 
-[data]
-source = "ptb"
-task = "mlm"
-train_sentences = 32
-valid_sentences = 8
-max_length = 90
-vocabulary = 200
-
-[train]
-batch_size = 8
-lr = 3e-3
-warmup_steps = 2
-steps = 24
-checkpoint_every = 1
-eval_every = 12
-eval_sentences = 4
-log_every = 5
-threads = 1
-"""
+# the test's tiny PT run, longer: more steps to land kills in, a validation mid-run
+TINY = TEST_RUN.replace("steps = 6", "steps = 24").replace("eval_every = 3", "eval_every = 12")
+TINY = TINY.replace("log_every = 2", "log_every = 5")
+assert TINY.count("steps = 24") == 1 and "eval_every = 12" in TINY and "log_every = 5" in TINY
 
 
 def start(config: Path, run: Path, *extra: str) -> subprocess.Popen:
