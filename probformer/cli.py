@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -35,14 +36,23 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--format", default="torch", choices=["torch", "exported", "onnx"])
     export.add_argument("--out", required=True, help="a folder (torch), a .pt2 file (exported) or a .onnx file")
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return run_train(args.config, args.out, args.resume)
+    try:
+        return _run(args)
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as error:
+        # a user error is one line on stderr, not a traceback
+        print(f"probformer {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.command == "export":
         from probformer import deploy
 
         path = deploy.export(args.checkpoint, args.out, format=args.format)
         print(f"wrote {path} ({args.format}); its logits match the checkpoint's within {deploy.TOLERANCE:g}")
         return 0
-    if args.command == "train":
-        return run_train(args.config, args.out, args.resume)
     if args.command == "evaluate":
         from probformer.training import evaluate as evaluation
 

@@ -97,6 +97,13 @@ def save(model, directory, vocabulary: Vocabulary | None = None) -> Path:
     return directory
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+
+
 def load(directory):
     """``(model, vocabulary or None)`` from a checkpoint directory; a clear error for
     anything that is not one (missing files, foreign format, wrong shapes, non-finite
@@ -106,10 +113,7 @@ def load(directory):
     for path in (config_path, weights_path):
         if not path.is_file():
             raise FileNotFoundError(f"not a probformer checkpoint: {path} is missing")
-    try:
-        meta = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_path} is not valid JSON: {error}") from None
+    meta = _read_json(config_path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(
             f"{config_path}: format must be {FORMAT!r}, got {meta.get('format') if isinstance(meta, dict) else meta!r}"
@@ -131,7 +135,10 @@ def load(directory):
     if (directory / "tokenizer.json").is_file():
         vocabulary = SubwordVocabulary.load(directory / "tokenizer.json")
     elif (directory / "vocabulary.json").is_file():
-        vocabulary = Vocabulary(json.loads((directory / "vocabulary.json").read_text()))
+        words = _read_json(directory / "vocabulary.json")
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"{directory / 'vocabulary.json'}: a vocabulary is a JSON list of strings")
+        vocabulary = Vocabulary(words)
         if len(vocabulary) != model.config.vocab_size:
             raise ValueError(
                 f"vocabulary has {len(vocabulary)} words but the model's vocab_size is {model.config.vocab_size}"

@@ -189,7 +189,7 @@ def load(path) -> RunConfig:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        values = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
+        values = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"{path} is not valid TOML: {error}") from None
     return RunConfig.from_dict(values)

@@ -229,6 +229,22 @@ def test_cli_export(tmp_path, capsys):
     assert_reproduces(model, probformer.load(tmp_path / "m.pt2"))
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["export", "nowhere", "--out", "x"], "probformer export: error: nowhere is neither a checkpoint"),
+        (["diagnose", "nowhere", "--data", "missing.txt", "--out", "d"], "probformer diagnose: error: "),
+    ],
+)
+def test_cli_user_errors_are_one_line(tmp_path, argv, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "probformer", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "d").exists()
+
+
 # ---- exported models need only torch (and probformer's own torch code) -------------------
 
 BLOCKER = """
