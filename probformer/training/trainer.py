@@ -38,6 +38,7 @@ from probformer.models.mup import param_groups
 from probformer.training import checkpoint, checkpointing, crash_points, run_config
 from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
+from probformer.training.data import SubwordVocabulary
 from probformer.training.run_config import RunConfig
 from probformer.training.run_log import RunLog
 
@@ -89,9 +90,12 @@ class Trainer:
 
         # everything that can be wrong is checked before the output folder exists
         self.resume_from = self._resume_source() if resume else None
-        self.corpus = prepare_corpus(config.data)
+        saved_vocabulary = checkpoint.load(self.resume_from)[1] if self.resume_from else None
+        # a subword vocabulary is learned from the text, and relearning it need not give the
+        # same piece order: a resumed run encodes with the one it saved
+        subword = isinstance(saved_vocabulary, SubwordVocabulary)
+        self.corpus = prepare_corpus(config.data, vocabulary=saved_vocabulary if subword else None)
         if self.resume_from:  # the data must encode exactly as it did for the checkpoint
-            _, saved_vocabulary = checkpoint.load(self.resume_from)
             saved_tags = json.loads((self.resume_from / "training.json").read_text()).get("tags")
             if list(self.corpus.vocabulary.words) != list(saved_vocabulary.words) or self.corpus.tags != saved_tags:
                 raise ValueError(
