@@ -11,7 +11,7 @@ export JAX_PLATFORMS ?= cpu
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=1
 export MPLBACKEND ?= Agg
 
-.PHONY: demo test test-slow lint venv clean
+.PHONY: demo test test-slow reliability lint venv clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m slow
+
+# docs/reliability.md: thousands of generated cases against every public entry point
+reliability: $(STAMP)
+	$(PY) -m benchmarks.reliability
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check graphs inference probformer tests benchmarks
