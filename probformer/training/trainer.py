@@ -24,6 +24,7 @@ output folder is created or a step is taken.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -38,7 +39,7 @@ from probformer.models.mup import param_groups
 from probformer.training import checkpoint, checkpointing, crash_points, run_config
 from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
-from probformer.training.data import SubwordVocabulary
+from probformer.training.data import SubwordVocabulary, text_lines
 from probformer.training.run_config import RunConfig
 from probformer.training.run_log import RunLog
 
@@ -91,10 +92,14 @@ class Trainer:
         # everything that can be wrong is checked before the output folder exists
         self.resume_from = self._resume_source() if resume else None
         saved_vocabulary = checkpoint.load(self.resume_from)[1] if self.resume_from else None
-        # a subword vocabulary is learned from the text, and relearning it need not give the
-        # same piece order: a resumed run encodes with the one it saved
-        subword = isinstance(saved_vocabulary, SubwordVocabulary)
-        self.corpus = prepare_corpus(config.data, vocabulary=saved_vocabulary if subword else None)
+        self.data_sha256 = _text_fingerprint(config.data.source)
+        same_text = self.resume_from and self.data_sha256 == _saved_fingerprint(self.out)
+        if isinstance(saved_vocabulary, SubwordVocabulary) and same_text:
+            # relearning a subword vocabulary from the same text need not give the same
+            # pieces: a resumed run on unchanged text encodes with the one it saved
+            self.corpus = prepare_corpus(config.data, vocabulary=saved_vocabulary)
+        else:
+            self.corpus = prepare_corpus(config.data)
         if self.resume_from:  # the data must encode exactly as it did for the checkpoint
             saved_tags = json.loads((self.resume_from / "training.json").read_text()).get("tags")
             if list(self.corpus.vocabulary.words) != list(saved_vocabulary.words) or self.corpus.tags != saved_tags:
@@ -154,7 +159,8 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise checkpoint.write_failure(self.out, error) from None
-        checkpointing.write_text_atomic(self.out / "run.json", json.dumps(self.config.to_dict(), indent=1))
+        record = {**self.config.to_dict(), "data_sha256": self.data_sha256}
+        checkpointing.write_text_atomic(self.out / "run.json", json.dumps(record, indent=1))
         self.log.create()
 
     def _resume_source(self) -> Path | None:
@@ -383,6 +389,21 @@ def _describe(metrics: dict) -> str:
     if "accuracy" in metrics:
         return f"loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.4f}"
     return f"loss {metrics['loss']:.4f}, perplexity {metrics['perplexity']:.2f}"
+
+
+def _text_fingerprint(source: str) -> str | None:
+    """SHA-256 of a text source's lines (``None`` for the built-in corpora): a resumed run
+    reuses its saved subword vocabulary only on the same text."""
+    if source in ("ptb", "ewt"):
+        return None
+    return hashlib.sha256("\n".join(text_lines(source)).encode("utf-8")).hexdigest()
+
+
+def _saved_fingerprint(out: Path) -> str | None:
+    try:
+        return json.loads((out / "run.json").read_text()).get("data_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def train(config: RunConfig | str | Path, out, resume: bool = False, progress: bool = True) -> dict:
