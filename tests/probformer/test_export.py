@@ -145,6 +145,7 @@ def test_swarmformer_with_contiguous_routing_exports_at_every_length(tmp_path):
         assert (artefact(tokens, mask) - model(tokens, mask)[0]).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.slow  # three more traced exports; the folded model is in every_export
 def test_folded_context_stream_and_windowed_baseline_export(tmp_path):
     model = folded(folded=False)
     for format, name in FILES.items():
@@ -180,6 +181,7 @@ TORCH_CASES = {
 }
 
 
+@pytest.mark.slow  # four more traced PT exports; every_export traces one PT in both formats
 @pytest.mark.parametrize(
     "case, format",
     [
