@@ -26,7 +26,7 @@ import torch
 
 from probformer.deploy import archive
 from probformer.models import registry
-from probformer.models.blocks import check_token_inputs
+from probformer.models.blocks import check_token_inputs, non_finite
 
 __all__ = ["load", "CheckedProgram", "CheckedOnnx", "TORCH_FORMAT", "EXPORTED_FORMAT", "ONNX_FORMAT", "LIMITS"]
 
@@ -34,7 +34,6 @@ TORCH_FORMAT, EXPORTED_FORMAT, ONNX_FORMAT = "probformer-torch/2", "probformer-e
 # bytes read at most, checked on the file's size before reading it
 LIMITS = {"json": 64 << 20, "safetensors": 16 << 30, "pt2": 4 << 30, "onnx": 2 << 30}
 FOLDER_FILES = ("config.json", "model.safetensors", "vocabulary.json", "tokenizer.json")
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def load(path):
@@ -117,42 +116,10 @@ def _least_bytes(model) -> int:
     )
 
 
-def check_weights(found: dict[str, tuple[torch.dtype, tuple]], model: torch.nn.Module, where, aliases_once: bool):
-    """Check ``{name: (dtype, shape)}`` against ``model``'s state dict: no unknown name,
-    every tensor present (a tensor shared under several names in the model: exactly
-    once if ``aliases_once``, else at least once), shapes equal, integer and bool dtypes
-    equal, floating tensors all in one floating dtype. Returns that dtype (or None)."""
-    expected = model.state_dict(keep_vars=True)
-    unknown = sorted(set(found) - set(expected))
-    if unknown:
-        raise ValueError(f"{where}: tensors the model does not have: {unknown[:5]}")
-    groups: dict[int, list[str]] = {}
-    for name, tensor in expected.items():
-        groups.setdefault(id(tensor), []).append(name)
-    for names in groups.values():
-        present = [name for name in names if name in found]
-        if not present or (aliases_once and len(present) > 1):
-            what = "missing" if not present else f"stored {len(present)} times (one tensor shared by {names})"
-            raise ValueError(f"{where}: tensor {names[0]!r} is {what}")
-    floating = set()
-    for name, (dtype, shape) in found.items():
-        want = expected[name]
-        if tuple(shape) != tuple(want.shape):
-            raise ValueError(
-                f"{where}: {name!r} has shape {tuple(shape)} in the file, {tuple(want.shape)} by the config"
-            )
-        if want.dtype.is_floating_point and dtype in FLOAT_DTYPES:
-            floating.add(dtype)
-        elif dtype != want.dtype:
-            raise ValueError(f"{where}: {name!r} has dtype {dtype} in the file, {want.dtype} by the model")
-    if len(floating) > 1:
-        raise ValueError(f"{where}: floating tensors in several dtypes {sorted(map(str, floating))}; one is expected")
-    return floating.pop() if floating else None
-
-
-def _check_finite(name: str, tensor: torch.Tensor, where) -> None:
-    if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"{where}: tensor {name!r} holds NaN or infinite values")
+def _check_finite(tensors: dict, where) -> None:
+    bad = non_finite(tensors)
+    if bad:
+        raise ValueError(f"{where}: tensor {bad[0]!r} holds NaN or infinite values")
 
 
 # ---- the torch folder -------------------------------------------------------------------
@@ -192,9 +159,8 @@ def _load_folder(folder: Path) -> torch.nn.Module:
         weights = load_file(str(where))  # memory-mapped; a regular file (checked by _folder_files)
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise ValueError(f"{where} is not a readable safetensors file: {error}") from None
-    dtype = check_weights({k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}, model, where, True)
-    for name, tensor in weights.items():
-        _check_finite(name, tensor, where)
+    dtype = registry.check_weights({k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}, model, where, True)
+    _check_finite(weights, where)
     if dtype is not None:
         model.to(dtype)  # a model exported in bf16 loads in bf16
     expected = model.state_dict(keep_vars=True)
@@ -239,7 +205,7 @@ def _load_exported(path: Path) -> CheckedProgram:
     model = _model_of(contents.meta, EXPORTED_FORMAT, f"{path} (probformer.json)")
     view = registry.LogitsOnly(model)
     found = {fqn: (getattr(torch, p.dtype), p.shape) for fqn, p in contents.weights.items()}
-    check_weights(found, view, path, aliases_once=False)
+    registry.check_weights(found, view, path, aliases_once=False)
     buffers = dict(view.named_buffers())
     for fqn, payload in {**contents.weights, **contents.constants}.items():
         tensor = (
@@ -248,7 +214,7 @@ def _load_exported(path: Path) -> CheckedProgram:
         if fqn in contents.constants and (fqn not in buffers or tuple(buffers[fqn].shape) != payload.shape):
             raise ValueError(f"{path}: constant {fqn!r} is not a buffer of the model")
         if tensor is not None:
-            _check_finite(fqn, tensor, path)
+            _check_finite({fqn: tensor}, path)
     fresh = archive.repack_pt2(contents, sample_inputs=b"")  # empty: torch unpickles no sample inputs
     try:
         program = torch.export.load(io.BytesIO(fresh))

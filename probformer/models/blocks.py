@@ -7,7 +7,8 @@ and by every export alike (torch alone: no Pyro, NumPyro, JAX, ArviZ or networkx
     TaskHead             the mlm / tagging / classification head
     log_attention_mass, normalised_ess
                          the Particle Transformer's importance weights
-    check_state          stored weights against a model's (names, shapes)
+    non_finite, refuse_non_finite_weights
+                         the one finite-weights check (load_state_dict refuses NaN/inf)
 
 Every forward maps ``tokens [B, n]`` and ``mask [B, n]`` with no data-dependent Python
 control flow, so a model built from these traces into a fixed graph (torch.export,
@@ -32,7 +33,7 @@ __all__ = [
     "NORMS",
     "TASKS",
     "POOLINGS",
-    "check_state",
+    "non_finite",
     "refuse_non_finite_weights",
 ]
 
@@ -194,29 +195,26 @@ def normalised_ess(log_weights: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 # ---- checking stored weights -------------------------------------------------------
 
 
-def check_state(weights: dict, expected: dict, path) -> None:
-    """Raise ``ValueError`` naming ``path`` unless ``weights`` has exactly the keys of
-    ``expected`` with the same shapes."""
-    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-    wrong = [k for k in expected if expected[k].shape != weights[k].shape]
-    if wrong:
-        raise ValueError(
-            f"{path}: shape mismatch for {wrong[:5]} (e.g. {wrong[0]}: "
-            f"{tuple(weights[wrong[0]].shape)} in the file, {tuple(expected[wrong[0]].shape)} by the config)"
-        )
+def non_finite(tensors: dict) -> list[str]:
+    """The names of the floating tensors in ``tensors`` that hold a NaN or an infinity, in
+    order (one host read for all of them). Every finite-weights check uses this."""
+    floating = [(name, t) for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floating = [(name, t) for name, t in floating if t.numel()]
+    if not floating:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for _, t in floating]).tolist()
+    return [name for (name, _), ok in zip(floating, finite) if not ok]
 
 
 def _check_finite_state(module, state_dict, prefix, *args) -> None:
     if prefix:  # the whole state is checked once, at the top, before anything is copied
         return
-    for name, value in state_dict.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
-            raise ValueError(
-                f"weight {name!r} holds NaN or infinite values; {type(module).__name__}.load_state_dict "
-                "refuses it (the model is unchanged)"
-            )
+    bad = non_finite(state_dict)
+    if bad:
+        raise ValueError(
+            f"weight {bad[0]!r} holds NaN or infinite values; {type(module).__name__}.load_state_dict "
+            "refuses it (the model is unchanged)"
+        )
 
 
 def refuse_non_finite_weights(model: nn.Module) -> None:

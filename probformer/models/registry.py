@@ -12,7 +12,7 @@ import importlib
 import torch
 from torch import nn
 
-__all__ = ["KINDS", "classes", "kind_of", "build", "unique_state", "LogitsOnly"]
+__all__ = ["KINDS", "classes", "kind_of", "build", "unique_state", "check_weights", "LogitsOnly"]
 
 # kind -> (module, config class, model class)
 KINDS = {
@@ -59,6 +59,43 @@ def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
             seen.add(key)
             unique[name] = tensor
     return unique
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_weights(found: dict[str, tuple[torch.dtype, tuple]], model: torch.nn.Module, where, aliases_once: bool):
+    """Check ``{name: (dtype, shape)}`` against ``model``'s state dict: no unknown name,
+    every tensor present (a tensor shared under several names in the model: exactly
+    once if ``aliases_once``, else at least once), shapes equal, integer and bool dtypes
+    equal, floating tensors all in one floating dtype. Returns that dtype (or None)."""
+    expected = model.state_dict(keep_vars=True)
+    unknown = sorted(set(found) - set(expected))
+    if unknown:
+        raise ValueError(f"{where}: tensors the model does not have: {unknown[:5]}")
+    groups: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        groups.setdefault(id(tensor), []).append(name)
+    for names in groups.values():
+        present = [name for name in names if name in found]
+        if not present or (aliases_once and len(present) > 1):
+            what = "missing" if not present else f"stored {len(present)} times (one tensor shared by {names})"
+            raise ValueError(f"{where}: tensor {names[0]!r} is {what}")
+    floating = set()
+    for name, (dtype, shape) in found.items():
+        want = expected[name]
+        if tuple(shape) != tuple(want.shape):
+            raise ValueError(
+                f"{where}: shape mismatch: {name!r} has shape {tuple(shape)} in the file, "
+                f"{tuple(want.shape)} by the config"
+            )
+        if want.dtype.is_floating_point and dtype in FLOAT_DTYPES:
+            floating.add(dtype)
+        elif dtype != want.dtype:
+            raise ValueError(f"{where}: {name!r} has dtype {dtype} in the file, {want.dtype} by the model")
+    if len(floating) > 1:
+        raise ValueError(f"{where}: floating tensors in several dtypes {sorted(map(str, floating))}; one is expected")
+    return floating.pop() if floating else None
 
 
 class LogitsOnly(nn.Module):

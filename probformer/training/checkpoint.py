@@ -13,12 +13,11 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from probformer.models import registry
-from probformer.models.blocks import check_state
+from probformer.models.blocks import non_finite
 from probformer.training.data import SubwordVocabulary, Vocabulary
 
 __all__ = ["save", "load", "FORMAT", "WriteError", "write_failure", "check_finite"]
@@ -55,11 +54,7 @@ def write_failure(path, error: BaseException) -> WriteError:
 def check_finite(tensors: dict, where) -> None:
     """``FloatingPointError`` naming the first floating tensor of ``tensors`` that holds a
     NaN or an infinity (one host read for all of them)."""
-    floating = [(name, t) for name, t in tensors.items() if t.is_floating_point() and t.numel()]
-    if not floating:
-        return
-    finite = torch.stack([torch.isfinite(t).all() for _, t in floating]).tolist()
-    bad = [name for (name, _), ok in zip(floating, finite) if not ok]
+    bad = non_finite(tensors)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise FloatingPointError(f"{where}: tensor {bad[0]!r}{more} holds non-finite values (NaN or infinity)")
@@ -125,7 +120,7 @@ def load(directory):
         weights = load_file(str(weights_path))
     except Exception as error:  # safetensors raises its own errors on truncated or foreign files
         raise ValueError(f"{weights_path} is not a readable safetensors file: {error}") from None
-    check_state(weights, registry.unique_state(model), weights_path)
+    registry.check_weights({k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}, model, weights_path, True)
     try:
         check_finite(weights, weights_path)
     except FloatingPointError as error:
