@@ -33,6 +33,7 @@ SOURCES = ("ptb", "ewt")  # or a path to a text file / folder
 TASKS = ("mlm", "pos", "lm")
 CAUSAL_MODELS = ("folded_context",)  # the models that may learn next-token prediction
 SCHEDULES = ("linear", "cosine", "constant")
+LONG_SENTENCES = ("error", "windows")  # what training does with a sentence longer than data.max_length
 # Limits far beyond any run this library is for, but below what would exhaust memory or
 # time before the first step: a typo (an extra zero, 1e9 for 1e-3) is refused, naming the key.
 # (ConfigMixin's generic LIMITS apply first; these are the run config's own, tighter ones.
@@ -77,9 +78,10 @@ def _check_real_ranges(config, section: str, ranges: dict[str, tuple[float, floa
 
 @dataclass
 class DataConfig(ConfigMixin):
-    source: str = "ptb"  # "ptb", "ewt", or a text file / folder of *.txt
+    source: str = "ptb"  # "ptb", "ewt", a text file / folder of *.txt, or "hf:..." (docs/data.md)
     task: str = "mlm"  # "mlm", "pos" (UPOS tagging; source "ewt") or "lm" (next token; causal models)
-    max_length: int = 128  # longer sentences are an error, reported before training
+    max_length: int = 128  # longer sentences: see long_sentences
+    long_sentences: str = "error"  # "error" (reported before training) or "windows" (cut into max_length pieces)
     vocabulary: int = 10_000  # word vocabulary cap (ptb/ewt), subword vocabulary size (text)
     train_sentences: int = 0  # use the first N training sentences (0: all)
     valid_sentences: int = 0  # use the first N validation sentences (0: all)
@@ -89,6 +91,10 @@ class DataConfig(ConfigMixin):
         _check_integer_ranges(self, "data", _DATA_RANGES)
         if self.task not in TASKS:
             raise ValueError(f"config key 'data.task' must be one of {list(TASKS)}, got {self.task!r}")
+        if self.long_sentences not in LONG_SENTENCES:
+            raise ValueError(
+                f"config key 'data.long_sentences' must be one of {list(LONG_SENTENCES)}, got {self.long_sentences!r}"
+            )
         if self.task == "pos" and self.source != "ewt":
             raise ValueError("config key 'data.task'='pos' needs 'data.source'='ewt' (the treebank with UPOS tags)")
         if isinstance(self.mask_rate, bool) or not 0 < self.mask_rate < 1:
