@@ -14,7 +14,19 @@ from dataclasses import MISSING, asdict, fields
 from graphs import crf as crfs
 from graphs import topology as topologies
 
-__all__ = ["ConfigMixin", "LIMITS", "MAX_FLOAT", "MAX_PARAMETERS"]
+__all__ = ["ConfigMixin", "ALIASES", "LIMITS", "MAX_FLOAT", "MAX_PARAMETERS"]
+
+# Names a transformer user knows (Hugging Face's), each standing for the first of its
+# canonical keys that a config class has (docs/models.md has the table). Only canonical
+# names are stored; an alias and its canonical key given together are refused. The PT's
+# ``labels`` is its width d (the label values of each token's variable), not task labels.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("labels", "width"),
+    "num_heads": ("channels", "heads"),
+    "head_dim": ("rank",),  # the PT's per-channel rank r; a baseline's head width is width / heads
+    "num_layers": ("iterations", "layers"),  # the PT's layers are its T weight-tied iterations
+    "intermediate_size": ("ffn_width",),
+}
 
 # The most each integer key may be (issue 17: sizes whose memory or time would be absurd are
 # refused before anything is allocated). Generous: each is far beyond any model or run we
@@ -65,7 +77,15 @@ MAX_FLOAT = 1e6  # every number-valued key (and every number in a dict key) is f
 MAX_PARAMETERS = 2**31  # the estimated parameter count (estimated_parameters): 8 GiB of float32
 
 
-class ConfigMixin:
+class _AliasedConstructor(type):
+    """Lets ``Config(hidden_size=64)`` mean ``Config(labels=64)``: the dataclass's own
+    ``__init__`` sees canonical names only, so every check runs on them."""
+
+    def __call__(cls, *args, **kwargs):
+        return super().__call__(*args, **cls.canonical_keys(kwargs))
+
+
+class ConfigMixin(metaclass=_AliasedConstructor):
     """Config dataclasses inherit this. Each subclass's ``__post_init__`` is wrapped so that,
     whatever the subclass checks itself, the config first refuses
 
@@ -88,6 +108,10 @@ class ConfigMixin:
     and, after the subclass's own checks, a config whose estimated parameter count
     (``estimated_parameters``) exceeds ``MAX_PARAMETERS`` = 2**31. Each error names the key
     and the limit. Nothing is allocated: these run on the config's numbers alone.
+
+    The constructor and ``from_dict`` also take the ``ALIASES`` that apply to the class
+    (``hidden_size`` for ``labels`` or ``width``, ...), and ``config.hidden_size`` reads
+    and writes the canonical key; ``to_dict`` gives canonical names only.
     """
 
     def __init_subclass__(cls, **kwargs):
@@ -210,30 +234,80 @@ class ConfigMixin:
             raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
 
     @classmethod
+    def aliases(cls) -> dict[str, str]:
+        """``{alias: canonical key}`` for the ``ALIASES`` that apply to this class."""
+        return _aliases(cls)
+
+    @classmethod
+    def canonical_keys(cls, values: dict, section: str = "") -> dict:
+        """``values`` with every alias renamed to its canonical key; ``ValueError`` naming
+        both when an alias and its canonical key (or two aliases of one key) are given."""
+        prefix = f"{section}." if section else ""
+        aliases, renamed = _aliases(cls), {}
+        for name, value in values.items():
+            canonical = aliases.get(name, name)
+            if canonical in renamed:
+                given = sorted(k for k in values if aliases.get(k, k) == canonical)
+                raise ValueError(
+                    f"config keys {[prefix + k for k in given]} name the same setting "
+                    f"({prefix + canonical}; {', '.join(k for k in given if k != canonical)} is its alias): give one"
+                )
+            renamed[canonical] = value
+        return renamed
+
+    def __getattr__(self, name: str):
+        # only reached for names that are not attributes: an alias reads its canonical key
+        canonical = _aliases(type(self)).get(name)
+        if canonical is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self, canonical)
+
+    def __setattr__(self, name: str, value) -> None:
+        # ``config.hidden_size = 64`` sets ``labels``, never a stray attribute the model ignores
+        super().__setattr__(_aliases(type(self)).get(name, name), value)
+
+    @classmethod
     def from_dict(cls, values: dict, section: str = ""):
-        """Build from a plain dict (JSON, TOML); ``section`` prefixes key names in errors."""
+        """Build from a plain dict (JSON, TOML); ``section`` prefixes key names in errors.
+        Takes the class's aliases (``hidden_size``, ...) for their canonical keys."""
         prefix = f"{section}." if section else ""
         if not isinstance(values, dict):
             raise ValueError(f"config section {section or '(top)'!r} must be a table, got {values!r}")
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
+        unknown = sorted(set(values) - set(known) - set(_aliases(cls)))
         if unknown:
-            raise ValueError(f"unknown config keys {[prefix + k for k in unknown]}; allowed: {sorted(known)}")
+            aliases = f" (or the aliases {_aliases(cls)})" if _aliases(cls) else ""
+            raise ValueError(f"unknown config keys {[prefix + k for k in unknown]}; allowed: {sorted(known)}{aliases}")
+        canonical = cls.canonical_keys(values, section)
         missing = [name for name, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
-        missing = [name for name in missing if name not in values]
+        missing = [name for name in missing if name not in canonical]
         if missing:
             raise ValueError(f"config keys {[prefix + k for k in missing]} are required")
-        hints = _type_hints(cls)
-        for name, value in values.items():
-            if not _matches(value, hints[name]):
+        hints, aliases = _type_hints(cls), _aliases(cls)
+        for name, value in values.items():  # named as the file has it (an alias or not)
+            hint = hints[aliases.get(name, name)]
+            if not _matches(value, hint):
                 raise ValueError(
-                    f"config key {prefix + name!r} must be of type {_describe(hints[name])}, "
+                    f"config key {prefix + name!r} must be of type {_describe(hint)}, "
                     f"got {type(value).__name__} {value!r}"
                 )
-        return cls(**values)
+        return cls(**canonical)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@functools.cache
+def _aliases(cls) -> dict[str, str]:
+    """The aliases of ``cls``: each ``ALIASES`` entry whose canonical keys include one of
+    its fields (the first such), unless the alias is itself a field."""
+    names = {f.name for f in fields(cls)}
+    found = {}
+    for alias, targets in ALIASES.items():
+        present = [target for target in targets if target in names]
+        if present and alias not in names:
+            found[alias] = present[0]
+    return found
 
 
 @functools.cache
