@@ -70,59 +70,99 @@ class TreebankSentence:
 
 
 def read_conllu(path) -> list[TreebankSentence]:
-    """Sentences of a CoNLL-U file (multi-word-token and empty-node lines skipped).
-    Malformed lines are an error naming the file and line."""
+    """Sentences of a CoNLL-U file, parsed by the ``conllu`` package (multi-word-token and
+    empty-node lines skipped: the words are the syntactic words 1..n). Malformed input is a
+    ValueError naming the file and the line where the sentence starts."""
+    import conllu
+    from conllu.exceptions import ParseException
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"CoNLL-U file {path} does not exist")
-    sentences, words, upos, heads = [], [], [], []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            if words:
-                sentences.append(TreebankSentence(words, upos, heads))
-            words, upos, heads = [], [], []
-            continue
-        if line.startswith("#"):
-            continue
-        columns = line.split("\t")
-        if len(columns) != 10:
-            raise ValueError(f"{path}:{number}: a CoNLL-U line needs 10 tab-separated columns, got {len(columns)}")
-        if "-" in columns[0] or "." in columns[0]:
-            continue
-        try:
-            index, head = int(columns[0]), int(columns[6])
-        except ValueError:
-            raise ValueError(
-                f"{path}:{number}: ID and HEAD must be integers, got {columns[0]!r}, {columns[6]!r}"
-            ) from None
-        if index != len(words) + 1:
-            raise ValueError(f"{path}:{number}: word IDs must be consecutive, expected {len(words) + 1}, got {index}")
-        words.append(columns[1])
-        upos.append(columns[3])
-        heads.append(head)
-    if words:
-        sentences.append(TreebankSentence(words, upos, heads))
+    sentences = []
+    with path.open(encoding="utf-8") as file:
+        lines = _LineCounter(file)
+        # the extra field catches an 11th column, which conllu would otherwise drop silently
+        tokenlists = conllu.parse_incr(lines, fields=(*_CONLLU_FIELDS, "extra"), field_parsers=_RAW_FIELDS)
+        while True:
+            try:
+                tokenlist = next(tokenlists)
+            except StopIteration:
+                break
+            except (ParseException, UnicodeDecodeError) as error:
+                raise ValueError(f"{path}:{lines.sentence_start}: malformed CoNLL-U sentence: {error}") from None
+            sentence = _treebank_sentence(tokenlist, f"{path}:{lines.sentence_start}")
+            if sentence.words:  # a block of comments only holds no sentence
+                sentences.append(sentence)
     if not sentences:
         raise ValueError(f"{path} holds no sentences")
-    for s in sentences:
-        if any(not 0 <= h <= len(s.words) for h in s.heads):
-            raise ValueError(f"{path}: a head lies outside its sentence: {' '.join(s.words)[:80]!r}")
     return sentences
 
 
+_CONLLU_FIELDS = ("id", "form", "lemma", "upos", "xpos", "feats", "head", "deprel", "deps", "misc")
+# the columns read here stay parsed (id, head); the others are kept as text, not parsed for nothing
+_RAW_FIELDS = {name: (lambda line, i: line[i]) for name in ("xpos", "feats", "deps", "misc")}
+
+
+class _LineCounter:
+    """Iterates a file's lines for ``conllu.parse_incr`` and remembers where the sentence
+    being read starts (the first non-blank line after a blank one), for error messages."""
+
+    def __init__(self, file):
+        self.file, self.number, self.sentence_start, self.in_sentence = file, 0, 1, False
+        self.read = file.read  # conllu checks that it was given a file
+
+    def __iter__(self):
+        for line in self.file:
+            self.number += 1
+            blank = not line.strip()
+            if not blank and not self.in_sentence:
+                self.sentence_start = self.number
+            self.in_sentence = not blank
+            yield line
+
+
+def _treebank_sentence(tokenlist, where: str) -> TreebankSentence:
+    words, upos, heads = [], [], []
+    for token in tokenlist:
+        if "extra" in token or "misc" not in token:
+            raise ValueError(f"{where}: a CoNLL-U line needs 10 tab-separated columns, got {len(token)}: {token}")
+        index = token["id"]
+        if isinstance(index, tuple):  # 3-4 (a multi-word token) or 3.1 (an empty node)
+            continue
+        if not isinstance(index, int) or not isinstance(token["head"], int):
+            raise ValueError(f"{where}: ID and HEAD must be integers, got {index!r}, {token['head']!r}")
+        if index != len(words) + 1:
+            raise ValueError(f"{where}: word IDs must be consecutive, expected {len(words) + 1}, got {index}")
+        words.append(token["form"])
+        upos.append(token["upos"])
+        heads.append(token["head"])
+    if any(not 0 <= h <= len(words) for h in heads):
+        raise ValueError(f"{where}: a head lies outside its sentence: {' '.join(words)[:80]!r}")
+    return TreebankSentence(words, upos, heads)
+
+
 def ewt_path(split: str) -> Path:
-    """UD English-EWT (CC BY-SA 4.0) from the folder named by ``$PROBFORMER_EWT``
-    (``en_ewt-ud-{train,dev,test}.conllu``, as in the UD release)."""
+    """UD English-EWT (CC BY-SA 4.0), ``en_ewt-ud-{train,dev,test}.conllu`` as in the UD
+    release, from the folder named by ``$PROBFORMER_EWT``, else from ``ud-ewt`` in the data
+    cache (``$PROBFORMER_DATA`` or the user cache), where ``probformer data fetch ud-ewt``
+    puts it."""
+    from probformer.training.fetch import data_home
+
     if split not in ("train", "dev", "test"):
         raise ValueError(f"unknown EWT split {split!r}; allowed: ['train', 'dev', 'test']")
-    if not os.environ.get("PROBFORMER_EWT"):
-        raise FileNotFoundError(
-            "UD English-EWT: set PROBFORMER_EWT to the folder holding en_ewt-ud-{train,dev,test}.conllu"
-        )
-    folder = Path(os.environ["PROBFORMER_EWT"])
-    path = folder / f"en_ewt-ud-{split}.conllu"
+    name = f"en_ewt-ud-{split}.conllu"
+    if os.environ.get("PROBFORMER_EWT"):
+        path = Path(os.environ["PROBFORMER_EWT"]).expanduser() / name
+        if not path.is_file():
+            raise FileNotFoundError(f"UD English-EWT: {path} does not exist (PROBFORMER_EWT names its folder)")
+        return path
+    path = data_home() / "ud-ewt" / name
     if not path.is_file():
-        raise FileNotFoundError(f"UD English-EWT not found at {path}; set PROBFORMER_EWT to its folder")
+        raise FileNotFoundError(
+            f"UD English-EWT not found at {path}: run `probformer data fetch ud-ewt` "
+            "(or set PROBFORMER_EWT to a folder holding en_ewt-ud-{train,dev,test}.conllu)"
+        )
     return path
 
 
