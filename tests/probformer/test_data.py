@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from probformer.training import data
 
@@ -38,3 +40,128 @@ def test_bert_masking_proportions():
     assert abs(masked.sum().item() / picked.sum().item() - 0.8) < 0.02
     assert abs(kept.sum().item() / picked.sum().item() - 0.1) < 0.02  # (+ rare random hits)
     assert torch.equal(targets[picked], tokens[picked])
+
+
+# ---- CoNLL-U (read with the conllu package) ----
+
+SENTENCES = """# newdoc id = d1
+# sent_id = s1
+# text = I don't sleep.
+1\tI\tI\tPRON\tPRP\t_\t4\tnsubj\t_\t_
+2-3\tdon't\t_\t_\t_\t_\t_\t_\t_\t_
+2\tdo\tdo\tAUX\tVBP\t_\t4\taux\t_\t_
+3\tn't\tnot\tPART\tRB\t_\t4\tadvmod\t_\t_
+4\tsleep\tsleep\tVERB\tVB\t_\t0\troot\t_\tSpaceAfter=No
+4.1\tslept\tsleep\tVERB\tVBD\t_\t_\t_\t4:conj\t_
+5\t.\t.\tPUNCT\t.\t_\t4\tpunct\t_\t_
+
+# a block of comments only
+
+1\tGo\tgo\tVERB\tVB\tMood=Imp\t0\troot\t0:root\t_
+"""
+
+
+def test_conllu_words_skip_multiword_tokens_and_empty_nodes(tmp_path):
+    path = tmp_path / "s.conllu"
+    path.write_text(SENTENCES)
+    first, second = data.read_conllu(path)
+    assert first.words == ["I", "do", "n't", "sleep", "."]
+    assert first.upos == ["PRON", "AUX", "PART", "VERB", "PUNCT"]
+    assert first.heads == [4, 4, 4, 0, 4]
+    assert (second.words, second.upos, second.heads) == (["Go"], ["VERB"], [0])
+    path.write_bytes(SENTENCES.replace("\n", "\r\n").encode())  # Windows line ends read the same
+    assert [s.words for s in data.read_conllu(path)] == [first.words, second.words]
+
+
+WORD = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Z", "C")), min_size=1, max_size=6)
+
+
+@st.composite
+def treebank(draw):
+    """Sentences and their CoNLL-U text, written here column by column, with multi-word
+    tokens, empty nodes and comments drawn in between the words."""
+    sentences, blocks = [], []
+    for number in range(draw(st.integers(1, 4))):
+        n = draw(st.integers(1, 6))
+        words = [draw(WORD.filter(lambda w: w not in ("_",))) for _ in range(n)]
+        upos = [draw(st.sampled_from(["NOUN", "VERB", "ADP", "_"])) for _ in range(n)]
+        heads = [draw(st.integers(0, n)) for _ in range(n)]
+        lines = [f"# sent_id = {number}"]
+        for i in range(1, n + 1):
+            if i < n and draw(st.booleans()):
+                lines.append(f"{i}-{i + 1}\t{words[i - 1]}{words[i]}\t_\t_\t_\t_\t_\t_\t_\t_")
+            lines.append(f"{i}\t{words[i - 1]}\t_\t{upos[i - 1]}\tX\tA=B\t{heads[i - 1]}\tdep\t_\t_")
+            if draw(st.booleans()):
+                lines.append(f"{i}.1\tghost\t_\tNOUN\t_\t_\t_\t_\t{i}:dep\t_")
+        sentences.append((words, upos, heads))
+        blocks.append("\n".join(lines))
+    return sentences, "\n\n".join(blocks) + "\n" * draw(st.integers(0, 2))
+
+
+@given(treebank())
+@settings(max_examples=40)
+def test_conllu_round_trip(tmp_path_factory, case):
+    sentences, text = case
+    path = tmp_path_factory.mktemp("conllu") / "t.conllu"
+    path.write_text(text, encoding="utf-8")
+    assert [(s.words, s.upos, s.heads) for s in data.read_conllu(path)] == sentences
+
+
+@pytest.mark.parametrize(
+    "line,error",
+    [
+        ("2\tb\tb\tNOUN\tNN\t_\t1\tdep\t_", "10 tab-separated columns, got 9"),
+        ("2\tb\tb\tNOUN\tNN\t_\t1\tdep\t_\t_\textra", "10 tab-separated columns, got 11"),
+        ("2\tb\tb\tNOUN\tNN\t_\tone\tdep\t_\t_", "malformed CoNLL-U"),
+        ("2\tb\tb\tNOUN\tNN\t_\t_\tdep\t_\t_", "ID and HEAD must be integers"),
+        ("3\tb\tb\tNOUN\tNN\t_\t1\tdep\t_\t_", "expected 2, got 3"),
+        ("2\tb\tb\tNOUN\tNN\t_\t7\tdep\t_\t_", "a head lies outside its sentence"),
+        ("no tabs here", "malformed CoNLL-U"),
+    ],
+)
+def test_malformed_conllu_names_the_file_and_the_sentence_line(tmp_path, line, error):
+    path = tmp_path / "bad.conllu"
+    path.write_text("1\ta\ta\tNOUN\tNN\t_\t0\troot\t_\t_\n\n# c\n1\ta\ta\tNOUN\tNN\t_\t0\troot\t_\t_\n" + line + "\n")
+    with pytest.raises(ValueError, match=error) as caught:
+        data.read_conllu(path)
+    assert f"{path}:3" in str(caught.value)  # the second sentence starts on line 3
+
+
+def test_conllu_without_sentences_or_file(tmp_path):
+    path = tmp_path / "empty.conllu"
+    path.write_text("# only a comment\n\n")
+    with pytest.raises(ValueError, match="holds no sentences"):
+        data.read_conllu(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.read_conllu(tmp_path / "missing.conllu")
+
+
+# ---- where UD English-EWT is found ----
+
+
+def test_ewt_is_found_through_probformer_ewt_then_the_data_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("PROBFORMER_EWT", raising=False)
+    monkeypatch.setenv("PROBFORMER_DATA", str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match="run `probformer data fetch ud-ewt`"):
+        data.ewt_path("dev")
+    cached = tmp_path / "cache" / "ud-ewt"
+    cached.mkdir(parents=True)
+    (cached / "en_ewt-ud-dev.conllu").write_text("")
+    assert data.ewt_path("dev") == cached / "en_ewt-ud-dev.conllu"
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "en_ewt-ud-dev.conllu").write_text("")
+    monkeypatch.setenv("PROBFORMER_EWT", str(own))  # the explicit folder wins
+    assert data.ewt_path("dev") == own / "en_ewt-ud-dev.conllu"
+    with pytest.raises(FileNotFoundError, match="PROBFORMER_EWT"):
+        data.ewt_path("test")
+    with pytest.raises(ValueError, match="allowed: \\['train', 'dev', 'test'\\]"):
+        data.ewt_path("valid")
+
+
+def test_the_default_cache_is_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("PROBFORMER_EWT", raising=False)
+    monkeypatch.delenv("PROBFORMER_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "probformer" / "ud-ewt")):
+        data.ewt_path("train")
