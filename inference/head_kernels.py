@@ -27,9 +27,10 @@ and its gradient finite.
 ``fused`` is finite wherever ``naive`` is (tests/inference/test_numerics.py: potentials to
 +-1e4, padded rows and sentences, float32/float64/bf16, every topology, with and without
 the CPU flash kernel); bf16/fp16 inputs are computed in float32. Its reverse messages
-divide by the lse of another row, so in float32 their error grows like |potential| x 2**-20
-(~1e-4 at 1e4, where naive's is ~1e-8); past ~1e7 in float32 they are finite but not
-accurate: use ``naive`` or float64 there.
+divide by the lse of another row and the parts merge in log space, so in float32 the
+messages err by about |score| x 2**-23 relative (~1e-4 at |score| ~ 1e3, O(1) at 1e8, where
+ties lose their log 2): ``compute_dtype=torch.float64`` is exact there, and ``MeanField``
+asks for it whenever ``score_bound`` of its parameters exceeds 512.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available"]
+__all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
 
 # finite "minus infinity" inside fused kernels: exp() of it is exactly 0, and it stays far
 # below any score float32 can still tell apart (potentials of 1e8 and beyond), yet twice or
@@ -265,14 +266,30 @@ def _far_masks(structure: HeadStructure):
     return sides
 
 
-def fused(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool = True) -> HeadMessages:
+def fused(
+    query,
+    key,
+    value,
+    value_rev,
+    scale: float,
+    structure: HeadStructure,
+    messages: bool = True,
+    compute_dtype: torch.dtype | None = None,
+) -> HeadMessages:
     """Half-precision inputs are computed in float32 and the results cast back: the reverse
     messages divide by row normalisers computed elsewhere (exp(score - lse of another row)),
-    and at bf16's 8 bits a potential of 1e2..1e4 rounds by more than exp() survives."""
+    and at bf16's 8 bits a potential of 1e2..1e4 rounds by more than exp() survives.
+
+    ``compute_dtype`` (e.g. float64) computes in a wider type still: the row normalisers
+    are merged and divided in log space, so a float32 result errs by about |score| 2**-23
+    relative (two tied heads at |score| ~ 1e8 lose their log 2 entirely); ``MeanField``
+    asks for float64 when its parameters allow scores that large (see ``score_bound``)."""
     if structure.prior is not None:
         raise ValueError("the fused kernel has no head prior (adaptive span); use kernel='naive'")
     dtype = query.dtype
     wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    if compute_dtype is not None and torch.finfo(compute_dtype).bits > torch.finfo(wide).bits:
+        wide = compute_dtype
     result = _fused(*(t.to(wide) for t in (query, key, value, value_rev)), scale, structure, messages)
     narrow = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     return HeadMessages(narrow(result.forward), narrow(result.reverse), narrow(result.lse), query=query, key=key)
@@ -372,8 +389,17 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     return HeadMessages(_unheads(forward), _unheads(reverse), lse)
 
 
-def log_normaliser(query, key, scale: float, structure: HeadStructure, kernel: str) -> torch.Tensor:
+def log_normaliser(
+    query, key, scale: float, structure: HeadStructure, kernel: str, compute_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``[B, C, N]`` row log-normalisers only (0 on rows with no legal head)."""
     if kernel == "naive":
         return softmax_with_null(naive_logits(query, key, scale, structure), structure.has_head)[1]
-    return fused(query, key, key, query, scale, structure, messages=False).lse
+    return fused(query, key, key, query, scale, structure, messages=False, compute_dtype=compute_dtype).lse
+
+
+def score_bound(query_table: torch.Tensor, key_table: torch.Tensor) -> torch.Tensor:
+    """A bound on |query . key| over every label distribution: query = q U and key = q' V
+    with q, q' on the simplex, so |q U V^T q'^T| <= max_a |U_a| max_b |V_b| (per group
+    and channel; tables ``[K, C, d, r]``). A scalar tensor; reading it is a host sync."""
+    return (query_table.norm(dim=-1).amax(-1) * key_table.norm(dim=-1).amax(-1)).max()

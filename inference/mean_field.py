@@ -53,6 +53,10 @@ SCHEDULES = ("async", "parallel", "sequential", "macaron")
 KERNELS = ("auto", "naive", "fused")
 # perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
 _AUTO_FUSED_MIN_NODES = 129
+# the fused kernel in float32 errs by about |score| 2**-23 relative (head_kernels.fused);
+# measured on random CRFs (benchmarks/reliability): <= 1e-4 after 3 iterations while the
+# score bound stays below 512, up to O(1) at 1e8. Past it the fused kernel computes in float64.
+_FUSED_FLOAT32_MAX_SCORE = 512.0
 
 
 @dataclass(frozen=True)
@@ -302,10 +306,34 @@ class MeanField(nn.Module):
         key = torch.einsum("bnd,kcdr->bnkcr", q_z, self.crf.ternary_v)
         return query, key
 
+    def fused_compute_dtype(self, scale: float) -> torch.dtype | None:
+        """float64 when the CRF's parameters allow head scores (times ``scale``) beyond what
+        the fused kernel computes accurately in float32, else None (the input's type).
+
+        The bound is a host sync, so it is recomputed only when a parameter changed (its
+        version counter, a host-side number), e.g. once per optimiser step, never per
+        forward of a fixed model; under torch.compile / export the last value is used."""
+        try:
+            state = tuple((id(p), p._version) for p in self.crf.parameters())
+        except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
+            state = None
+        cached = getattr(self, "_score_bound_cache", None)
+        if state is None or cached is None or cached[0] != state:
+            if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+                bound = cached[1] if cached is not None else 0.0
+            else:
+                with torch.no_grad():
+                    bound = float(head_kernels.score_bound(self.crf.ternary_u, self.crf.ternary_v))
+                self._score_bound_cache = (state, bound)
+        else:
+            bound = cached[1]
+        return torch.float64 if abs(scale) * bound > _FUSED_FLOAT32_MAX_SCORE else None
+
     def heads(self, query, key, value, value_rev, structure, kernel, previous=None):
         scale = self.scales()["attention"]
         if kernel == "fused":
-            return head_kernels.fused(query, key, value, value_rev, scale, structure)
+            wide = self.fused_compute_dtype(scale)
+            return head_kernels.fused(query, key, value, value_rev, scale, structure, compute_dtype=wide)
         return head_kernels.naive(
             query,
             key,
@@ -380,7 +408,8 @@ class MeanField(nn.Module):
         log_q = logits.log_softmax(-1)
         q_z = log_q.exp() * nodes
         query, key = self.project(q_z)
-        lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel)  # [B, C, N]
+        wide = self.fused_compute_dtype(1.0) if kernel == "fused" else None
+        lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide)  # [B, C, N]
         entropy = -(q_z * log_q).sum((1, 2))  # log_softmax keeps the gradient finite at q = 0
         value = (q_z * unary).sum((1, 2)) + entropy + lse.sum((1, 2))
         if self.crf.global_labels:

@@ -194,6 +194,64 @@ def test_mean_field_fused_is_finite_on_padded_rows_at_large_potentials(topology,
             torch.testing.assert_close(a, b, atol=1e-8, rtol=1e-8)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    potential=st.sampled_from([1.0, 10.0, 100.0, 1e3, 1e4]),
+    topology=st.sampled_from(["full", "causal", "star()", "window(1)"]),
+    gamma=st.integers(0, 2),
+    n=st.integers(1, 4),
+)
+def test_fused_float32_matches_float64_naive_at_large_potentials(seed, potential, topology, gamma, n):
+    """Issue 17's last silent-wrong cases: tied heads (repeated tokens) at |score| ~ 1e4..1e8
+    lost their log 2 in float32 log-space merges. The float64 naive engine on a float64
+    copy is the reference; the float32 fused engine must agree as closely as float32 naive."""
+    gen = torch.Generator().manual_seed(seed)
+    crf = graphs.CRF(vocab_size=3, labels=3, channels=2, rank=2, topology=topology, gamma=gamma)
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * potential)
+    tokens = torch.randint(0, 3, (2, n + 2), generator=gen)  # few token ids: many ties
+    mask = torch.ones(2, n + 2, dtype=torch.bool)
+    mask[1, n:] = False
+    with torch.no_grad():
+        fused = MeanField(crf, iterations=3, kernel="fused")(tokens, mask).logits
+        reference = MeanField(copy.deepcopy(crf).double(), iterations=3, kernel="naive")(tokens, mask).logits
+    relative = ((fused.double() - reference).abs() / (1 + reference.abs())).max()
+    assert fused.dtype == torch.float32 and relative <= 1e-3
+
+
+def test_fused_precision_follows_the_parameters_without_a_sync_per_forward():
+    """The score bound is read (a host sync) only when a parameter changed: twice for two
+    forwards of a fixed model would be a sync per forward."""
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=5, labels=4, channels=2, rank=3, gamma=1)
+    engine = MeanField(crf, iterations=2, kernel="fused")
+    tokens = torch.randint(0, 5, (2, 6))
+    calls = []
+    bound = head_kernels.score_bound
+
+    def counting(*args):
+        calls.append(1)
+        return bound(*args)
+
+    with mock.patch.object(head_kernels, "score_bound", counting), torch.no_grad():
+        engine(tokens)
+        engine(tokens)
+        assert len(calls) == 1 and engine.fused_compute_dtype(1.0) is None
+        u, v = crf.ternary_u.clone(), crf.ternary_v.clone()
+        assert engine.fused_compute_dtype(1.0) is None  # max |U_a| max |V_b| <= 512: float32
+        for p in crf.parameters():
+            p.mul_(1e2)  # an in-place change outside any optimiser: the version counter sees it
+        engine(tokens)
+        assert len(calls) == 2
+    with torch.no_grad():
+        bound_now = float(head_kernels.score_bound(crf.ternary_u, crf.ternary_v))
+    expected = (u.norm(dim=-1).amax(-1) * v.norm(dim=-1).amax(-1)).max() * 1e4
+    assert bound_now == pytest.approx(float(expected), rel=1e-5)
+    assert engine.fused_compute_dtype(1.0) == torch.float64
+
+
 # ---- Exact ------------------------------------------------------------------------
 
 
