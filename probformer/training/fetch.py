@@ -142,6 +142,10 @@ def _download(url: str, target: Path, sha256: str) -> None:
                     while chunk := response.read(CHUNK):
                         digest.update(chunk)
                         out.write(chunk)
+            except urllib.error.HTTPError as error:
+                raise OSError(
+                    f"could not download {target.name} from {url}: HTTP {error.code} {error.reason}"
+                ) from None
             except (urllib.error.URLError, OSError) as error:
                 reason = getattr(error, "reason", None) or error
                 raise OSError(f"could not download {target.name} from {url}: {reason}") from None
