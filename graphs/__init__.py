@@ -1,4 +1,5 @@
-"""graphs: declare factor graphs (the PT CRF, topologies) as data and as Pyro models.
+"""graphs: declare factor graphs (the PT CRF, its factor templates, topologies) as data
+and as Pyro models.
 
 ``graphs`` never imports ``inference`` or ``probformer``. Importing it imports torch
 alone: Pyro is imported when a Pyro model is generated (``CRF.model``,
@@ -8,10 +9,22 @@ trained model needs (potentials, masks, distance groups) run without either.
 
 import importlib
 
-from graphs import topology
+from graphs import factors, topology
 from graphs.crf import CRF, GLOBAL_MEMORIES, TERNARY_FORMS, distance_groups
+from graphs.factors import Factor
+from graphs.topology import Topology
 
-__all__ = ["CRF", "GLOBAL_MEMORIES", "TERNARY_FORMS", "distance_groups", "topology", "ParticleView"]
+__all__ = [
+    "CRF",
+    "Factor",
+    "GLOBAL_MEMORIES",
+    "TERNARY_FORMS",
+    "Topology",
+    "distance_groups",
+    "factors",
+    "topology",
+    "ParticleView",
+]
 
 _LAZY = {"ParticleView": "graphs.particle_view"}
 

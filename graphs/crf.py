@@ -46,12 +46,14 @@ memory layer at the global factor's place, not a CRF factor (no ELBO).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from graphs import topology as topologies
-from graphs.topology import Topology
+from graphs.factors import BUILT_IN, Factor, Global, Ternary, Unary
+from graphs.topology import Topology, distance_groups
 
 __all__ = ["CRF", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES", "LIMITS", "MAX_PARAMETERS"]
 
@@ -71,20 +73,6 @@ LIMITS: dict[str, int] = {
     "ternary_blocks": 2**10,
 }
 MAX_PARAMETERS = 2**31  # all the CRF's parameters together: 8 GiB of float32
-
-
-def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
-    """``[n + m, n + m]`` long tensor of distance groups (see the module docstring).
-
-    Arcs touching one of the ``m`` virtual nodes get group ``2 * (gamma + 1)``;
-    the diagonal (never an arc) gets group 0.
-    """
-    pos = torch.arange(n)
-    offset = pos[None, :] - pos[:, None]
-    clipped = offset.abs().clamp(max=gamma + 1)
-    token_groups = torch.where(offset > 0, clipped - 1, gamma + clipped).masked_fill(offset == 0, 0)
-    # out-of-place ops only: a traced (exported) length stays symbolic
-    return torch.nn.functional.pad(token_groups, (0, extra_nodes, 0, extra_nodes), value=2 * (gamma + 1))
 
 
 class CRF(nn.Module):
@@ -116,6 +104,7 @@ class CRF(nn.Module):
         ternary_form: str = "low_rank",
         ternary_blocks: int = 1,
         global_memory: str = "dense",
+        factors: list | tuple = (),
     ):
         super().__init__()
         _check_int("vocab_size", vocab_size, minimum=1)
@@ -169,6 +158,7 @@ class CRF(nn.Module):
             half = labels // 2
             self.memory_keys_first = nn.Parameter(torch.randn(sub_keys, half) * half**-0.5)
             self.memory_keys_second = nn.Parameter(torch.randn(sub_keys, labels - half) * (labels - half) ** -0.5)
+        self.factors = nn.ModuleList(_check_factors(self, factors))
 
     def extra_repr(self) -> str:
         form = "" if self.ternary_form == "low_rank" else f", ternary_form={self.ternary_form!r}"
@@ -328,11 +318,24 @@ class CRF(nn.Module):
             score = score + (pair * mask).sum(-1)
         elif g is not None:
             raise ValueError("g must be None: this CRF has no global variables (global_labels=0)")
+        if len(self.factors):  # extra templates see padded nodes as label 0
+            labels = z.masked_fill(~self.node_mask(mask), 0)
+            for factor in self.factors:
+                score = score + factor.log_potential(labels, tokens, mask)
         return score
 
+    def templates(self) -> list:
+        """The factor templates of this CRF, in the order they write the model: the
+        built-ins (``Unary``, ``Global`` when global_labels > 0, ``Ternary``), then the
+        extra ``factors``."""
+        built_in = [Unary()] + ([Global()] if self.global_labels else []) + [Ternary()]
+        return built_in + list(self.factors)
+
     def model(self, tokens, mask=None):
-        """The CRF as a Pyro model: one enumerable ``Categorical`` site per variable
-        (``z_i``, ``h_c_i``, ``g_i``) and one ``pyro.factor`` per potential.
+        """The CRF as a Pyro model, generated from its templates: one enumerable
+        ``Categorical`` site per variable (``z_i``, ``h_c_i``, ``g_i``; ``infer["variable"]``
+        is "Z", "H" or "G") and factor sites written by each template (``infer["template"]``
+        names it; see ``graphs.factors``).
 
         Sites carry uniform priors; each variable's factor adds back the log of its
         number of values, so the model's evidence is exactly the CRF's partition
@@ -341,47 +344,54 @@ class CRF(nn.Module):
         """
         import pyro  # the declaration needs Pyro; the tensors (potentials, masks) do not
         import pyro.distributions as dist
-        from pyro.ops.indexing import Vindex
 
         self._check_factor_graph()
         tokens, mask = self.check_inputs(tokens, mask)
         self.check_parameters()
         B, n = tokens.shape
-        N, d, C = self.topology.num_nodes(n), self.labels, self.channels
-        nodes, arcs = self.node_mask(mask), self.arc_mask(mask)
-        unary = self.unary_table(tokens, mask)
-        table, groups = self.ternary_tensor(), self.distance_groups(n).tolist()
-        rows = torch.arange(B, device=tokens.device)
-        zero = unary.new_zeros(())
-
+        N, d = self.topology.num_nodes(n), self.labels
+        scope = ModelScope(tokens, mask, self.node_mask(mask), self.arc_mask(mask))
+        logits = self.unary.new_zeros(B, d)
         with pyro.plate("batch", B, dim=-1):
-            z = []
             for i in range(N):
-                z_i = pyro.sample(f"z_{i}", dist.Categorical(logits=unary.new_zeros(B, d)))
-                score = Vindex(unary)[rows, i, z_i] + math.log(d)
-                pyro.factor(f"unary_{i}", torch.where(nodes[:, i], score, zero))
-                z.append(z_i)
+                scope.z.append(pyro.sample(f"z_{i}", dist.Categorical(logits=logits), infer={"variable": "Z"}))
+            for template in self.templates():
+                template.add_to_model(self, scope)
 
-            for i in range(n if self.global_labels else 0):
-                g_i = pyro.sample(f"g_{i}", dist.Categorical(logits=unary.new_zeros(B, self.global_labels)))
-                score = Vindex(self.binary)[g_i, z[i]] + math.log(self.global_labels)
-                pyro.factor(f"binary_{i}", torch.where(mask[:, i], score, zero))
 
-            for c in range(C):
-                for i in range(N):
-                    legal = arcs[:, i]  # [B, N]
-                    count = legal.sum(-1)
-                    if not count.any():
-                        continue
-                    # Rows where i has no legal head get a dummy uniform site with no factors.
-                    logits = torch.where(legal | (count == 0)[:, None], 0.0, -math.inf).to(unary.dtype)
-                    h_ci = pyro.sample(f"h_{c}_{i}", dist.Categorical(logits=logits))
-                    log_count = torch.where(count > 0, count.clamp(min=1).to(unary.dtype).log(), zero)
-                    pyro.factor(f"head_count_{c}_{i}", log_count)
-                    for j in legal.any(0).nonzero().flatten().tolist():
-                        score = table[groups[i][j], c][z[i], z[j]]
-                        chosen = (h_ci == j) & legal[:, j]
-                        pyro.factor(f"ternary_{c}_{i}_{j}", torch.where(chosen, score, zero))
+@dataclass
+class ModelScope:
+    """What templates read while they write ``CRF.model``: the checked batch, its node and
+    arc masks, and the label sites ``z`` (one per node, enumerated or sampled)."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    nodes: torch.Tensor
+    arcs: torch.Tensor
+    z: list = field(default_factory=list)
+
+
+def _check_factors(crf, extra) -> list:
+    """The extra templates, each a ``graphs.Factor`` that fits ``crf``, with unique site names."""
+    if isinstance(extra, Factor) or not isinstance(extra, list | tuple):
+        raise TypeError(f"factors must be a list of graphs.Factor templates, got {type(extra).__name__}")
+    names = set()
+    for k, factor in enumerate(extra):
+        if not isinstance(factor, Factor):
+            kind = type(factor).__name__
+            built_in = f" ({kind} is built in: every CRF has it)" if kind in BUILT_IN else ""
+            raise TypeError(
+                f"factors[{k}] must be a graphs.Factor (e.g. graphs.factors.Pairwise){built_in}, got {factor!r}"
+            )
+        factor.check(crf)
+        if factor.name is None:
+            factor.name = f"{type(factor).__name__.lower()}{k}"
+        if factor.name in names or not isinstance(factor.name, str):
+            raise ValueError(
+                f"factors[{k}] has the name {factor.name!r} of another factor: names must be unique strings"
+            )
+        names.add(factor.name)
+    return list(extra)
 
 
 def _check_int(name: str, value, minimum: int) -> None:

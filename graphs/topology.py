@@ -27,6 +27,7 @@ __all__ = [
     "Topology",
     "full",
     "causal",
+    "chain",
     "window",
     "star",
     "clusters",
@@ -34,6 +35,7 @@ __all__ = [
     "root",
     "parse",
     "NAMES",
+    "distance_groups",
 ]
 
 
@@ -188,6 +190,20 @@ def _offsets(n: int) -> torch.Tensor:
     return pos[None, :] - pos[:, None]
 
 
+def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
+    """``[n + m, n + m]`` long tensor of distance groups (see ``graphs.crf``'s docstring).
+
+    Arcs touching one of the ``m`` virtual nodes get group ``2 * (gamma + 1)``;
+    the diagonal (never an arc) gets group 0.
+    """
+    pos = torch.arange(n)
+    offset = pos[None, :] - pos[:, None]
+    clipped = offset.abs().clamp(max=gamma + 1)
+    token_groups = torch.where(offset > 0, clipped - 1, gamma + clipped).masked_fill(offset == 0, 0)
+    # out-of-place ops only: a traced (exported) length stays symbolic
+    return torch.nn.functional.pad(token_groups, (0, extra_nodes, 0, extra_nodes), value=2 * (gamma + 1))
+
+
 def full() -> Topology:
     """Every token may choose every other token (the PT / BERT encoder)."""
     return Topology("full()", (), lambda n: torch.ones(n, n, dtype=torch.bool), (math.inf, math.inf))
@@ -196,6 +212,12 @@ def full() -> Topology:
 def causal() -> Topology:
     """Token i may choose only earlier tokens j < i (a decoder). Token 0 has no head."""
     return Topology("causal()", (), lambda n: _offsets(n) < 0, (math.inf, 0))
+
+
+def chain() -> Topology:
+    """Token i may choose only its left neighbour i - 1 (a linear chain: with a
+    ``graphs.factors.Pairwise`` on it, the linear-chain CRF). Token 0 has no head."""
+    return Topology("chain()", (), lambda n: _offsets(n) == -1, (1, 0))
 
 
 def window(w: int) -> Topology:
@@ -296,6 +318,7 @@ def segments(length: int, causal: bool = False) -> Topology:
 NAMES: dict[str, Callable[..., Topology]] = {
     "full": full,
     "causal": causal,
+    "chain": chain,
     "window": window,
     "star": star,
     "clusters": clusters,

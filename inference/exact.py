@@ -1,9 +1,11 @@
-"""Exact inference on a CRF by enumerating its Pyro model.
+"""Exact inference by enumerating a Pyro model: a ``graphs.CRF`` declaration or any Pyro
+function whose latent sites are discrete and enumerable.
 
-The model (``crf.model``) is run under ``poutine.enum`` so that every discrete
-site holds all its values in a tensor dimension of its own; the log-probabilities
-of all sites are then summed out one variable at a time (variable elimination in
-log space). Nothing here restates the CRF's formula: what the model says is what is
+A declaration's model (``crf.model``, generated from its factor templates) is run under
+``poutine.enum`` so that every discrete site holds all its values in a tensor dimension
+of its own; the log-probabilities of all sites are then summed out one variable at a time
+(variable elimination in log space). Nothing here restates the CRF's formula: what the
+model says (every template's sites, and any site an overridden ``model`` adds) is what is
 summed.
 
 Precision: the model runs on float64 copies of the CRF's parameters (gradients still
@@ -17,6 +19,12 @@ float64; ``marginals`` returns probabilities in the CRF's dtype and log Z in flo
 The cost grows like d ** N (N = tokens + virtual nodes): eliminating one head
 variable couples its node's label with every label it may attend to. ``Exact``
 refuses inputs above ``max_configurations`` label configurations per sentence.
+
+Any other Pyro function goes through Pyro's own machinery (``TraceEnum_ELBO``'s
+enumeration and ``pyro.ops.contract``, which handles nested plates and ``pyro.markov``),
+with every log-factor cast to float64 before it is contracted (the function's own
+arithmetic stays in its dtype). Its size guard: no site's enumerated log-probability may
+hold more than ``max_configurations`` entries per element of the batch plate.
 """
 
 from __future__ import annotations
@@ -38,33 +46,68 @@ __all__ = ["Exact"]
 _MAX_BUCKET = 2**24  # entries (batch included) of the largest joint factor elimination may build
 
 
+def is_declaration(model) -> bool:
+    """True for a ``graphs.CRF`` (or a subclass): a module with a Pyro ``model`` and the
+    CRF's input check."""
+    return isinstance(model, nn.Module) and callable(getattr(model, "model", None)) and hasattr(model, "check_inputs")
+
+
 class Exact:
-    """Enumeration oracle for tiny CRFs.
+    """Exact inference by enumeration: the oracle for tiny models.
 
     Args:
-        crf: a ``graphs.CRF``.
-        max_configurations: refuse sentences where ``labels ** N`` exceeds this.
+        model: a ``graphs.CRF`` declaration, or a Pyro function whose latent sites are
+            discrete and enumerable (``Categorical``, ``Bernoulli`` ...).
+        max_configurations: the size guard. For a declaration: refuse sentences where
+            ``labels ** N`` exceeds it; for a function: refuse a site whose enumerated
+            log-probability has more entries than this per batch element.
+
+    ``Exact(crf)(tokens, mask)`` is ``marginals``: the call every engine answers.
     """
 
-    def __init__(self, crf, max_configurations: int = 2**16):
-        if not callable(getattr(crf, "model", None)) or not isinstance(crf, nn.Module):
-            raise TypeError(f"crf must be a graphs.CRF, got {type(crf).__name__}")
+    def __init__(self, model, max_configurations: int = 2**16):
         if isinstance(max_configurations, bool) or not isinstance(max_configurations, int) or max_configurations < 1:
             raise ValueError(f"max_configurations must be >= 1 (an integer), got {max_configurations!r}")
-        self.crf = crf
         self.max_configurations = max_configurations
+        if is_declaration(model):
+            self.crf, self.function = model, None
+        elif callable(model) and not isinstance(model, nn.Module):
+            self.crf, self.function = None, model
+        else:
+            raise TypeError(
+                f"model (crf) must be a graphs.CRF or a Pyro function with enumerable latent sites, "
+                f"got {type(model).__name__}"
+            )
 
-    def log_partition(self, tokens, mask=None) -> torch.Tensor:
-        """``[B]`` exact log Z of each sentence, float64 whatever the CRF's dtype."""
-        factors, _, letters = self._factors(tokens, mask)
+    def __call__(self, *args, **kwargs):
+        return self.marginals(*args, **kwargs)
+
+    def log_partition(self, *args, **kwargs) -> torch.Tensor:
+        """The log of the model's total unnormalised mass, float64. A declaration:
+        ``log_partition(tokens, mask=None)`` -> ``[B]``, log Z of each sentence. A function:
+        ``log_partition(*args, **kwargs)`` (its own arguments) -> ``[B]`` over its outermost
+        plate (the plate every sample site is in), a scalar if it has none."""
+        if self.function is not None:
+            from inference import enumeration  # Pyro's machinery, for any function
+
+            return enumeration.log_partition(self.function, args, kwargs, self.max_configurations)
+        factors, _, letters = self._factors(*_tokens_and_mask(*args, **kwargs))
         return _eliminate(factors, letters)
 
-    def marginals(self, tokens, mask=None) -> Posterior:
-        """Exact marginals of every label, head and global variable, and log Z.
+    def marginals(self, *args, **kwargs):
+        """A declaration: ``marginals(tokens, mask=None)`` -> ``Posterior`` with the exact
+        marginals of every label, head and global variable, and log Z. A function: a dict
+        from each enumerated latent site's name to its probabilities ``[..., k]`` over its
+        k values (``enumerate_support`` order), the batch shape of the site first."""
+        if self.function is not None:
+            from inference import enumeration
 
-        A zero "probe" factor is added on every site's own dimension; the gradient of
-        log Z with respect to it is that site's marginal.
-        """
+            return enumeration.marginals(self.function, args, kwargs, self.max_configurations)
+        return self._declaration_marginals(*args, **kwargs)
+
+    def _declaration_marginals(self, tokens, mask=None) -> Posterior:
+        """A zero "probe" factor is added on every site's own dimension; the gradient of
+        log Z with respect to it is that site's marginal."""
         tokens, mask = self.crf.check_inputs(tokens, mask)
         factors, sites, letters = self._factors(tokens, mask)
         B = tokens.shape[0]
@@ -230,6 +273,10 @@ def _log_sum_product(factors: list[torch.Tensor], letters: list[str], out: str) 
         total = (shift + safe_log((total - shift).exp().sum(summed, keepdim=True))).squeeze(summed)
     kept = [x for x in joint if x in out]
     return total.permute([kept.index(x) for x in out])
+
+
+def _tokens_and_mask(tokens, mask=None):
+    return tokens, mask
 
 
 def _letter(dim: int) -> str:

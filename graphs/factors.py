@@ -1,0 +1,267 @@
+"""Factor templates: what a ``graphs.CRF`` is made of, and how it becomes a Pyro model.
+
+A CRF is its variables (token labels Z, head choices H per channel, global labels G)
+and a list of factor templates. Every CRF has the built-in ones,
+
+    Unary     log phi(Z_i = a)                     = unary[w_i, a]
+    Global    log phi(Z_i = a, G_i = m)             = binary[m, a]      (global_labels > 0)
+    Ternary   log phi(H_i^c = j, Z_i = a, Z_j = b)  = T[k(i, j), c, a, b] (low-rank, CP or Tucker)
+
+whose parameters live on the CRF itself (``crf.unary``, ``crf.ternary_u`` ...), and
+``CRF(factors=[...])`` adds more:
+
+    Pairwise  log phi(Z_i = a, Z_j = b) = table[k(i, j), a, b] on the arcs (i, j) of its own
+              topology (k = distance group); ``Pairwise(d, "chain()")`` is the linear-chain CRF
+    Factor    a user subclass: ``log_potential(z, tokens, mask) -> [B]`` of a full labelling,
+              optionally ``expected_log_potential(q, tokens, mask) -> [B]`` under factorised
+              label marginals q (MeanField's messages are its gradient in q)
+
+Every template writes its own sites into ``CRF.model``; each factor site records the
+template that made it in its ``infer`` dict (``infer["template"]``, e.g. ``"Pairwise"``)
+and each variable site its kind (``infer["variable"]``: ``"Z"``, ``"H"`` or ``"G"``), so a
+trace says where every term came from and engines can check that they compile all of it
+(``inference.declaration``).
+
+Shapes: ``tokens [B, n]``, ``mask [B, n]`` (True for real tokens), ``z [B, N]`` labels of
+every node and ``q [B, N, d]`` label marginals, N = n + the topology's virtual nodes
+(N = n for topologies without virtual nodes). Padded nodes hold label 0 (``z``) or a zero
+row (``q``): a factor should ignore them, as the built-ins do, by reading ``mask``.
+
+Pyro is imported only when a model is generated; the potentials need torch alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from graphs import topology as topologies
+
+__all__ = ["Factor", "Unary", "Ternary", "Global", "Pairwise", "BUILT_IN", "factor_site"]
+
+
+def factor_site(name: str, log_factor: torch.Tensor, template: str) -> None:
+    """``pyro.factor`` that records its template in the site's ``infer`` dict."""
+    import pyro
+    import pyro.distributions as dist
+
+    unit = dist.Unit(log_factor)
+    pyro.sample(name, unit, obs=unit.sample(), infer={"is_auxiliary": True, "template": template})
+
+
+class Factor(nn.Module):
+    """A user factor over the labels of a sentence. Subclass it and implement
+    ``log_potential``; implement ``expected_log_potential`` too for MeanField.
+
+    A factor is an ``nn.Module``: its parameters train with the CRF's. Its sites in the
+    Pyro model are named after ``name`` (default: the class name, lower case, made unique
+    by the CRF) and carry ``infer={"template": <class name>}``.
+    """
+
+    name: str | None = None
+
+    @property
+    def template(self) -> str:
+        return type(self).__name__
+
+    def log_potential(self, z: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B]`` log phi of full labellings ``z [B, N]`` (long)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement log_potential(z, tokens, mask) -> [B]")
+
+    def expected_log_potential(self, q: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B]`` E_q[log phi] under factorised label marginals ``q [B, N, d]``: must be
+        multilinear in the rows of q (it is, for any expectation under a factorised q)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no expected_log_potential(q, tokens, mask): MeanField cannot use it"
+        )
+
+    def has_expectation(self) -> bool:
+        """True when the subclass overrides ``expected_log_potential``."""
+        return type(self).expected_log_potential is not Factor.expected_log_potential
+
+    def check(self, crf) -> None:
+        """Called when the factor joins ``crf``: raise if it cannot belong to it."""
+
+    def add_to_model(self, crf, scope) -> None:
+        """One factor site of ``log_potential`` over the enumerated labels. Under Pyro's
+        enumeration every ``z_i`` has its own leading dims; the labellings are broadcast to
+        a plain ``[B', N]`` batch, so ``log_potential`` sees ordinary tensors."""
+        z = torch.stack(torch.broadcast_tensors(*scope.z), dim=-1)  # [*enum, B, N]
+        z = z.masked_fill(~scope.nodes, 0)  # padded nodes read as label 0, as in CRF.log_potential
+        lead = z.shape[:-2]
+        B, n = scope.tokens.shape
+        flat_z = z.reshape(-1, z.shape[-1])
+        repeat = flat_z.shape[0] // B
+        tokens = scope.tokens.expand(*lead, B, n).reshape(-1, n) if repeat > 1 else scope.tokens
+        mask = scope.mask.expand(*lead, B, n).reshape(-1, n) if repeat > 1 else scope.mask
+        value = self.log_potential(flat_z, tokens, mask)
+        if not isinstance(value, torch.Tensor) or value.shape != (flat_z.shape[0],):
+            raise ValueError(
+                f"{self.template}.log_potential must return a tensor of shape [B] = [{flat_z.shape[0]}], "
+                f"got {getattr(value, 'shape', type(value).__name__)}"
+            )
+        factor_site(self.name, value.reshape(*lead, B), self.template)
+
+
+class Pairwise(Factor):
+    """Label-label potentials on the arcs of a topology: ``table [K, d, d]``, one ``[d, d]``
+    table per distance group k(i, j) (``gamma`` as in ``graphs.CRF``; ``2 * (gamma + 1)``
+    groups), ``log phi(Z_i = a, Z_j = b) = table[k(i, j), a, b]`` for every arc i -> j of
+    ``topology`` between real tokens. ``topology="chain()"`` (arcs i -> i - 1) with one
+    group per direction is the linear-chain CRF: ``table[gamma + 1]`` is the transition
+    matrix from the previous label to the next.
+
+    The topology must have no virtual nodes (the factor is over token labels).
+    """
+
+    def __init__(self, labels: int, topology="chain()", gamma: int = 0):
+        super().__init__()
+        if isinstance(labels, bool) or not isinstance(labels, int) or labels < 1:
+            raise ValueError(f"Pairwise labels must be an integer >= 1, got {labels!r}")
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 0 <= gamma <= 2**12:
+            raise ValueError(f"Pairwise gamma must be an integer in [0, 4096], got {gamma!r}")
+        self.topology = topologies.parse(topology)
+        if self.topology.extra_nodes:
+            raise ValueError(
+                f"Pairwise topology must have no virtual nodes (it couples token labels), got {self.topology.name!r}"
+            )
+        self.labels, self.gamma = labels, gamma
+        self.table = nn.Parameter(torch.randn(2 * (gamma + 1), labels, labels) * labels**-0.5)
+
+    def extra_repr(self) -> str:
+        return f"labels={self.labels}, topology={self.topology.name}, gamma={self.gamma}"
+
+    def check(self, crf) -> None:
+        if self.labels != crf.labels:
+            raise ValueError(f"Pairwise(labels={self.labels}) does not match the CRF's labels={crf.labels}")
+
+    def arcs(self, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, n, n]`` the arcs between real tokens of each row."""
+        return self.topology.arcs(mask)
+
+    def tables(self, n: int) -> torch.Tensor:
+        """``[n, n, d, d]`` the log-potential table of every position pair (use with ``arcs``)."""
+        return self.table[self._groups(n)]
+
+    def log_potential(self, z, tokens, mask):
+        n = tokens.shape[1]
+        arcs = self.arcs(mask)  # [B, n, n]
+        z = z[:, :n]
+        groups = self._groups(n)
+        score = self.table[groups[None], z[:, :, None], z[:, None, :]]  # [B, n, n]
+        return torch.where(arcs, score, torch.zeros_like(score)).sum((1, 2))
+
+    def expected_log_potential(self, q, tokens, mask):
+        n = tokens.shape[1]
+        arcs = self.arcs(mask).to(q.dtype)
+        q = q[:, :n]
+        pair = torch.einsum("xia,ijab,xjb->xij", q, self.tables(n), q)
+        return (pair * arcs).sum((1, 2))
+
+    def message(self, q, tokens, mask) -> torch.Tensor:
+        """``[B, n, d]`` the closed-form mean-field message to every label (the gradient of
+        ``expected_log_potential`` in q): from the arcs i -> j and from the arcs j -> i."""
+        n = tokens.shape[1]
+        arcs = self.arcs(mask).to(q.dtype)
+        tables, q = self.tables(n), q[:, :n]
+        out = torch.einsum("xij,ijab,xjb->xia", arcs, tables, q)
+        into = torch.einsum("xji,jiba,xjb->xia", arcs, tables, q)
+        return out + into
+
+    def _groups(self, n: int) -> torch.Tensor:
+        return topologies.distance_groups(n, self.gamma).to(self.table.device)
+
+    def add_to_model(self, crf, scope) -> None:
+        from pyro.ops.indexing import Vindex
+
+        n = scope.tokens.shape[1]
+        arcs = self.arcs(scope.mask)
+        groups = self._groups(n).tolist()
+        zero = self.table.new_zeros(())
+        for i in range(n):
+            for j in arcs[:, i].any(0).nonzero().flatten().tolist():
+                score = Vindex(self.table[groups[i][j]])[scope.z[i], scope.z[j]]
+                factor_site(f"{self.name}_{i}_{j}", torch.where(arcs[:, i, j], score, zero), self.template)
+
+
+class _BuiltIn:
+    """A template whose parameters are the CRF's own (``crf.unary`` ...): it reads them."""
+
+    template = ""
+    name = ""
+
+    def has_expectation(self) -> bool:
+        return True
+
+
+class Unary(_BuiltIn):
+    """``log phi(Z_i = a) = unary[w_i, a]`` (0 for virtual nodes). The site also adds back
+    log d, the mass of the uniform prior on Z_i, so the model's evidence is log Z."""
+
+    template = name = "Unary"
+
+    def add_to_model(self, crf, scope) -> None:
+        from pyro.ops.indexing import Vindex
+
+        unary = crf.unary_table(scope.tokens, scope.mask)
+        rows = torch.arange(unary.shape[0], device=unary.device)
+        zero = unary.new_zeros(())
+        for i, z_i in enumerate(scope.z):
+            score = Vindex(unary)[rows, i, z_i] + math.log(crf.labels)
+            factor_site(f"unary_{i}", torch.where(scope.nodes[:, i], score, zero), self.template)
+
+
+class Global(_BuiltIn):
+    """``log phi(Z_i = a, G_i = m) = binary[m, a]``: one global variable per token."""
+
+    template = name = "Global"
+
+    def add_to_model(self, crf, scope) -> None:
+        import pyro
+        import pyro.distributions as dist
+        from pyro.ops.indexing import Vindex
+
+        G, B = crf.global_labels, scope.tokens.shape[0]
+        zero = crf.binary.new_zeros(())
+        for i in range(scope.tokens.shape[1]):
+            logits = crf.binary.new_zeros(B, G)
+            g_i = pyro.sample(f"g_{i}", dist.Categorical(logits=logits), infer={"variable": "G"})
+            score = Vindex(crf.binary)[g_i, scope.z[i]] + math.log(G)
+            factor_site(f"binary_{i}", torch.where(scope.mask[:, i], score, zero), self.template)
+
+
+class Ternary(_BuiltIn):
+    """Head selection: ``log phi(H_i^c = j, Z_i = a, Z_j = b) = T[k(i, j), c, a, b]`` on the
+    CRF's topology (any ternary form). Each head variable has a uniform prior over the
+    legal heads; ``head_count`` sites add back the log of their number."""
+
+    template = name = "Ternary"
+
+    def add_to_model(self, crf, scope) -> None:
+        import pyro
+        import pyro.distributions as dist
+
+        n = scope.tokens.shape[1]
+        table, groups = crf.ternary_tensor(), crf.distance_groups(n).tolist()
+        arcs, z, dtype = scope.arcs, scope.z, table.dtype
+        zero = table.new_zeros(())
+        for c in range(crf.channels):
+            for i in range(len(z)):
+                legal = arcs[:, i]  # [B, N]
+                count = legal.sum(-1)
+                if not count.any():
+                    continue
+                # Rows where i has no legal head get a dummy uniform site with no factors.
+                logits = torch.where(legal | (count == 0)[:, None], 0.0, -math.inf).to(dtype)
+                h_ci = pyro.sample(f"h_{c}_{i}", dist.Categorical(logits=logits), infer={"variable": "H"})
+                log_count = torch.where(count > 0, count.clamp(min=1).to(dtype).log(), zero)
+                factor_site(f"head_count_{c}_{i}", log_count, self.template)
+                for j in legal.any(0).nonzero().flatten().tolist():
+                    score = table[groups[i][j], c][z[i], z[j]]
+                    chosen = (h_ci == j) & legal[:, j]
+                    factor_site(f"ternary_{c}_{i}_{j}", torch.where(chosen, score, zero), self.template)
+
+
+BUILT_IN = ("Unary", "Global", "Ternary")
