@@ -1,16 +1,22 @@
 """The corpus of a training run: read and encode the configured data source (PTB, UD
-EWT, or text with a trained WordPiece tokenizer), validate lengths and tags, and cut
-deterministic, length-bucketed batches (a function of seed and epoch)."""
+EWT, text or a Hugging Face dataset with a trained WordPiece tokenizer), validate lengths
+and tags, and cut deterministic, length-bucketed batches (a function of seed and epoch).
+
+A sentence longer than ``data.max_length`` is never dropped: with
+``data.long_sentences = "error"`` (the default) the run stops before training, naming how
+many there are; with ``"windows"`` it is cut into consecutive windows of at most
+``max_length`` tokens (tags cut alongside), each an example, and ``Corpus.windowed``
+counts the sentences cut, per split."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from probformer.training import data, run_config
 
-__all__ = ["Corpus", "prepare_corpus", "epoch_order", "collate", "inputs_and_targets", "IGNORE"]
+__all__ = ["Corpus", "prepare_corpus", "windows", "epoch_order", "collate", "inputs_and_targets", "IGNORE"]
 
 IGNORE = -100
 
@@ -21,7 +27,8 @@ class Corpus:
     train: list[tuple[list[int], list[int] | None]]  # token ids, tag ids (pos) or None
     valid: list[tuple[list[int], list[int] | None]]
     tags: list[str] | None = None  # UPOS tag names for the pos task
-    valid_heads: list[list[int]] | None = None  # gold heads of the validation sentences (ewt)
+    valid_heads: list[list[int]] | None = None  # gold heads of the validation sentences (ewt; whole, not windows)
+    windowed: dict[str, int] = field(default_factory=dict)  # sentences cut into windows: {"training": n, ...}
 
 
 def prepare_corpus(config: run_config.DataConfig, vocabulary=None, tags=None) -> Corpus:
@@ -38,16 +45,13 @@ def prepare_corpus(config: run_config.DataConfig, vocabulary=None, tags=None) ->
         train_words, valid_words = [s.words for s in train_trees], [s.words for s in valid_trees]
         train_tags, valid_tags = [s.upos for s in train_trees], [s.upos for s in valid_trees]
         heads = [s.heads for s in valid_trees]
-    else:
-        lines = data.text_lines(config.source)
-        if len(lines) < 2:
-            raise ValueError(f"data.source {config.source!r} needs at least 2 lines (train and validation)")
-        held_out = max(1, len(lines) // 20)  # the last 5% of lines validate
-        train_words = [line.split() for line in lines[:-held_out]]
-        valid_words = [line.split() for line in lines[-held_out:]]
+    else:  # a text file or folder, or a Hugging Face dataset (hf:...)
+        splits = data.text_splits(config.source)
+        train_words = [line.split() for line in splits["train"]]
+        valid_words = [line.split() for line in splits["valid"]]
         train_tags = valid_tags = None
         if vocabulary is None:
-            vocabulary = data.SubwordVocabulary.train(lines[:-held_out], config.vocabulary)
+            vocabulary = data.SubwordVocabulary.train(splits["train"], config.vocabulary)
     if config.train_sentences:
         train_words = train_words[: config.train_sentences]
         train_tags = train_tags and train_tags[: config.train_sentences]
@@ -63,11 +67,13 @@ def prepare_corpus(config: run_config.DataConfig, vocabulary=None, tags=None) ->
         tags = tags or sorted({t for sentence in train_tags for t in sentence})
     tag_index = {t: i for i, t in enumerate(tags or [])}
 
+    windowed = {}
+
     def encode(words, sentence_tags, split):
-        examples = []
+        examples, too_long = [], []
         for number, sentence in enumerate(words):
             ids = vocabulary.encode(sentence)
-            if not ids:
+            if not ids:  # a line the tokenizer reduces to nothing: no token to learn from
                 continue
             labels = None
             if config.task == "pos":
@@ -75,20 +81,32 @@ def prepare_corpus(config: run_config.DataConfig, vocabulary=None, tags=None) ->
                 if unknown:
                     raise ValueError(f"{split} sentence #{number} has tags {sorted(unknown)} unseen in training")
                 labels = [tag_index[t] for t in sentence_tags[number]]
-            examples.append((ids, labels))
-        too_long = [len(ids) for ids, _ in examples if len(ids) > config.max_length]
-        if too_long:
+            if len(ids) > config.max_length:
+                too_long.append(len(ids))
+            examples += windows(ids, labels, config.max_length)
+        if too_long and config.long_sentences == "error":
             raise ValueError(
                 f"{len(too_long)} {split} sentences are longer than data.max_length={config.max_length} "
-                f"(longest: {max(too_long)}); raise data.max_length"
+                f'(longest: {max(too_long)}); raise data.max_length, or set data.long_sentences = "windows" '
+                "to cut them into windows"
             )
+        windowed[split] = len(too_long)
         return examples
 
     corpus = Corpus(
         vocabulary, encode(train_words, train_tags, "training"), encode(valid_words, valid_tags, "validation")
     )
-    corpus.tags, corpus.valid_heads = tags, heads
+    corpus.tags, corpus.valid_heads, corpus.windowed = tags, heads, windowed
     return corpus
+
+
+def windows(ids: list[int], labels: list[int] | None, max_length: int) -> list[tuple[list[int], list[int] | None]]:
+    """``(ids, labels)`` cut into consecutive windows of at most ``max_length`` tokens (one
+    example when it fits): every token stays, once, with the context of its window."""
+    return [
+        (ids[start : start + max_length], None if labels is None else labels[start : start + max_length])
+        for start in range(0, len(ids), max_length)
+    ]
 
 
 def epoch_order(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:

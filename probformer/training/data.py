@@ -20,6 +20,7 @@ __all__ = [
     "read_conllu",
     "ewt_path",
     "text_lines",
+    "text_splits",
     "batches",
     "mask_tokens",
     "PAD",
@@ -166,8 +167,34 @@ def ewt_path(split: str) -> Path:
     return path
 
 
+HELD_OUT = 20  # a text source without a validation split validates on its last 1/20 of lines (at least one)
+
+
+def text_splits(source) -> dict[str, list[str]]:
+    """``{"train", "valid"[, "test"]}`` lines of a text source: a text file or folder (its
+    last 1/20 of lines validate), or ``hf:...`` (its own splits; without a validation split,
+    the last 1/20 of ``train`` validate)."""
+    from probformer.training import hf_data
+
+    splits = hf_data.hf_splits(source) if hf_data.is_hf_source(source) else {"train": text_lines(source)}
+    if "valid" not in splits:
+        lines = splits["train"]
+        if len(lines) < 2:
+            raise ValueError(f"data.source {str(source)!r} needs at least 2 lines (train and validation)")
+        held_out = max(1, len(lines) // HELD_OUT)
+        splits["train"], splits["valid"] = lines[:-held_out], lines[-held_out:]
+    if not splits["train"] or not splits["valid"]:
+        raise ValueError(f"data.source {str(source)!r} gave an empty training or validation split")
+    return splits
+
+
 def text_lines(path) -> list[str]:
-    """Non-empty lines of a text file, or of every ``*.txt`` file in a folder (sorted)."""
+    """Non-empty lines of a text file, of every ``*.txt`` file in a folder (sorted), or of
+    every split (train, valid, test) of a Hugging Face dataset ``hf:...``."""
+    from probformer.training import hf_data
+
+    if hf_data.is_hf_source(path):
+        return [line for lines in hf_data.hf_splits(path).values() for line in lines]
     path = Path(path)
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))

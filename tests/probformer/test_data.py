@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probformer.training import data
+from probformer.training import corpus, data, run_config
 
 
 def test_ptb_is_available_offline_with_the_standard_counts():
@@ -165,3 +165,75 @@ def test_the_default_cache_is_the_user_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "probformer" / "ud-ewt")):
         data.ewt_path("train")
+
+
+# ---- sentences longer than data.max_length: refused or cut into windows, never dropped ----
+
+LONG_TEXT = ["a b c d e f g", "b c", "c d e f", "a", "g f e d c b a g f e d", "b b"] * 4  # 24 lines, 1 held out
+
+
+def expected_windows(ids: list[int], size: int) -> list[list[int]]:
+    out, rest = [], list(ids)
+    while rest:
+        out.append(rest[:size])
+        rest = rest[size:]
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 3, 4, 11])
+def test_windows_keep_every_token_once(size):
+    ids, labels = list(range(10, 21)), list(range(11))
+    cut = corpus.windows(ids, labels, size)
+    assert [w for w, _ in cut] == expected_windows(ids, size)
+    assert [t for _, t in cut] == expected_windows(labels, size)
+    assert all(t is None for _, t in corpus.windows(ids, None, size))
+
+
+def test_long_text_lines_are_refused_or_windowed(tmp_path):
+    path = tmp_path / "long.txt"
+    path.write_text("\n".join(LONG_TEXT))
+    vocabulary = data.Vocabulary.build([line.split() for line in LONG_TEXT])
+    refused = run_config.DataConfig(source=str(path), max_length=4)
+    with pytest.raises(ValueError, match="8 training sentences are longer than data.max_length=4 .longest: 11"):
+        corpus.prepare_corpus(refused, vocabulary)
+    windowed = run_config.DataConfig(source=str(path), max_length=4, long_sentences="windows")
+    prepared = corpus.prepare_corpus(windowed, vocabulary)
+    train = LONG_TEXT[:-1]  # the last line validates
+    assert prepared.windowed == {"training": sum(len(s.split()) > 4 for s in train), "validation": 0}
+    expected = [w for line in train for w in expected_windows(vocabulary.encode(line.split()), 4)]
+    assert [ids for ids, _ in prepared.train] == expected
+    assert [ids for ids, _ in prepared.valid] == [vocabulary.encode(["b", "b"])]
+
+
+def test_long_ptb_sentences_are_windowed_with_the_same_words():
+    config = run_config.DataConfig(
+        source="ptb", max_length=8, long_sentences="windows", train_sentences=30, valid_sentences=5
+    )
+    sentences = data.ptb_sentences("train")[:30]
+    vocabulary = data.Vocabulary.build(sentences)
+    prepared = corpus.prepare_corpus(config, vocabulary)
+    assert prepared.windowed["training"] == sum(len(s) > 8 for s in sentences) > 0
+    assert [ids for ids, _ in prepared.train] == [
+        w for s in sentences for w in expected_windows(vocabulary.encode(s), 8)
+    ]
+
+
+def test_long_ewt_sentences_cut_their_tags_alongside(tmp_path, monkeypatch):
+    words = "the old dog saw a cat near the big red barn".split()
+    upos = ["DET", "ADJ", "NOUN", "VERB", "DET", "NOUN", "ADP", "DET", "ADJ", "ADJ", "NOUN"]
+    lines = [f"{i}\t{w}\t_\t{u}\t_\t_\t0\tdep\t_\t_" for i, (w, u) in enumerate(zip(words, upos), 1)]
+    folder = tmp_path / "ewt"
+    folder.mkdir()
+    for split in ("train", "dev", "test"):
+        (folder / f"en_ewt-ud-{split}.conllu").write_text(
+            "\n".join(lines) + "\n\n1\tdog\t_\tNOUN\t_\t_\t0\troot\t_\t_\n"
+        )
+    monkeypatch.setenv("PROBFORMER_EWT", str(folder))
+    config = run_config.DataConfig(source="ewt", task="pos", max_length=5, long_sentences="windows")
+    prepared = corpus.prepare_corpus(config)
+    tags = prepared.tags
+    assert tags == sorted(set(upos))
+    assert prepared.windowed == {"training": 1, "validation": 1}
+    cut = [([prepared.vocabulary.words[i] for i in ids], [tags[t] for t in labels]) for ids, labels in prepared.train]
+    assert cut == [(words[:5], upos[:5]), (words[5:10], upos[5:10]), (words[10:], upos[10:]), (["dog"], ["NOUN"])]
+    assert prepared.valid_heads == [[0] * 11, [0]]  # whole sentences, not windows
