@@ -1,148 +1,303 @@
-"""The ``probformer`` command line."""
+"""The ``probformer`` command line (docs/cli.md).
+
+argparse, not click or typer: it is in the standard library, the verbs are few and flat,
+and the one-line error convention needs one overridden method. Conventions:
+
+- a user error (arguments, a config key or value, a missing or unreadable file, unusable
+  data) is one line ``probformer VERB: error: ...`` on stderr and exit status 2;
+- a run that fails on its own (a non-finite loss, a file that cannot be written) is one
+  line too, with exit status 1; Ctrl-C is one line and exit status 130;
+- ``--debug`` (before or after the verb) shows the traceback instead, and every warning.
+
+Verbs import their heavy modules (torch, pyro, ...) when they run, so ``--help``,
+``--version`` and argument errors answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from pathlib import Path
 
-import numpy as np
+from probformer.mup import commands as mup_commands
+
+__all__ = ["main", "build_parser", "version"]
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("probformer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` for options with a real default (not for required options,
+    flags or options whose help says what an absent value means)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or action.required or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one line, ``PROG: error: MESSAGE``, exit status 2 (argparse
+    prints the usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def _verb(commands, name: str, help: str, description: str | None = None, **options) -> _Parser:
+    return commands.add_parser(name, help=help, description=description or help, formatter_class=_Formatter, **options)
+
+
+def _debug_option(parser) -> None:
+    # accepted after the verb too; SUPPRESS leaves the top-level value alone when absent
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _data_options(parser, sentences: int, what: str, default_data: str) -> None:
+    """The ``--data`` / ``--split`` / ``--sentences`` options of evaluate and diagnose."""
+    parser.add_argument(
+        "--data",
+        help="ptb, ewt (from $PROBFORMER_EWT), or a text file / folder of *.txt, one sentence per line "
+        f"(default: {default_data})",
+    )
+    parser.add_argument(
+        "--split",
+        choices=["train", "valid", "test", "all"],
+        help="ptb and ewt: their own splits (ewt's valid is its dev file); a text file or folder: valid is its "
+        "last 5%% of lines (the trainer's held-out slice), train the rest, all every line, no test "
+        "(default: valid for ptb/ewt, all for text)",
+    )
+    parser.add_argument("--sentences", type=int, default=sentences, help=what)
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(
+        prog="probformer",
+        description="Transformers from inference: train, evaluate, diagnose and export models (docs/cli.md).",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"probformer {version()}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and warnings (also after the verb)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="VERB")
+
+    demo = _verb(commands, "demo", "oracles on a real sentence, then PT vs an equal-size BERT on PTB")
+    demo.add_argument("--steps", type=int, default=0, help="shorten both training runs to N steps (0: the configs)")
+    demo.add_argument("--out", default="runs/demo", help="where the runs go")
+
+    train = _verb(
+        commands,
+        "train",
+        "train a model from a TOML run config (see configs/)",
+        "Train a model from a TOML run config. The whole config (file and --set) is validated before the run "
+        "folder is created.",
+    )
+    train.add_argument("--config", required=True, help="a TOML run config, e.g. configs/pt-small.toml")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="override one config value, as if written in the file (repeatable): model.rank=32, train.lr=3e-4, "
+        'model.topology="full | root()"; VALUE is a TOML value, a bare word a string (default: none)',
+    )
+    train.add_argument("--out", help="run folder (default: runs/<config file name>)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    train.add_argument(
+        "--print-config", action="store_true", help="print the validated config (file + --set) as JSON and stop"
+    )
+
+    evaluate = _verb(commands, "evaluate", "metric table of a model (a run folder or a checkpoint folder)")
+    evaluate.add_argument("model", metavar="MODEL", help="a training-run folder or a checkpoint folder")
+    evaluate.add_argument("--task", required=True, choices=["mlm", "pos", "uas"], help="the metric")
+    _data_options(evaluate, 0, "evaluate the first N sentences of the split (0: all)", "ptb, or ewt for pos/uas")
+
+    diagnose = _verb(
+        commands, "diagnose", "per-layer ESS, Pareto k-hat, diversity and ELBO of a model (a run or checkpoint)"
+    )
+    diagnose.add_argument("model", metavar="MODEL", help="a training-run folder or a checkpoint folder")
+    _data_options(diagnose, 16, "diagnose the first N sentences of the split", "ptb")
+    diagnose.add_argument("--out", required=True, help="folder for report.nc and the PNG figures")
+
+    export = _verb(commands, "export", "write a model for deployment (torch folder, torch.export .pt2 or ONNX)")
+    export.add_argument("model", metavar="MODEL", help="a training-run folder or a checkpoint folder")
+    export.add_argument("--format", default="torch", choices=["torch", "exported", "onnx"], help="the artefact")
+    export.add_argument("--out", required=True, help="a folder (torch), a .pt2 file (exported) or a .onnx file")
+
+    mup = _verb(commands, "mup", "μP tools: coordinate check and neighbourhood search (docs/mup.md)")
+    mup_verbs = mup.add_subparsers(dest="mup_command", required=True, metavar="MUP_VERB")
+    mup_commands.add_commands(mup_verbs, formatter_class=_Formatter)
+
+    data = _verb(commands, "data", "data sets: fetch one into the local cache")
+    data_verbs = data.add_subparsers(dest="data_command", required=True, metavar="DATA_VERB")
+    fetch = _verb(data_verbs, "fetch", "download a pinned data set release, checksum-checked, into the cache")
+    fetch.add_argument("name", metavar="NAME", help="the data set, e.g. ud-ewt")
+    fetch.add_argument("--cache", help="cache folder (default: $PROBFORMER_DATA, else the user cache folder)")
+
+    for verb in (demo, train, evaluate, diagnose, export, mup, data, fetch, *mup_verbs.choices.values()):
+        _debug_option(verb)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="probformer", description="Transformers from inference.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="oracles on a real sentence, then PT vs an equal-size BERT on PTB")
-    demo.add_argument("--steps", type=int, default=0, help="shorten both training runs to N steps (0: the configs)")
-    demo.add_argument("--out", default="runs/demo", help="where the runs go (default runs/demo)")
-    diagnose = commands.add_parser("diagnose", help="per-layer ESS, Pareto k-hat, diversity and ELBO of a checkpoint")
-    diagnose.add_argument("checkpoint", help="a checkpoint directory (config.json, model.safetensors, vocabulary.json)")
-    diagnose.add_argument(
-        "--data", required=True, help="a text file (one sentence per line) or ptb-train|ptb-valid|ptb-test"
-    )
-    diagnose.add_argument("--out", required=True, help="directory for report.nc and the PNG figures")
-    diagnose.add_argument("--sentences", type=int, default=16, help="how many sentences to diagnose (default 16)")
-    train = commands.add_parser("train", help="train a model from a TOML config (see configs/)")
-    train.add_argument("--config", required=True, help="a TOML run config, e.g. configs/pt-small.toml")
-    train.add_argument("--out", help="run folder (default runs/<config name>)")
-    train.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    evaluate = commands.add_parser("evaluate", help="metric table of a checkpoint or run folder")
-    evaluate.add_argument("checkpoint", help="a checkpoint folder or a training-run folder")
-    evaluate.add_argument("--task", required=True, choices=["mlm", "pos", "uas"])
-    evaluate.add_argument("--data", help="ptb, ewt or a text file (default: ptb for mlm, ewt otherwise)")
-    evaluate.add_argument("--split", default="valid", choices=["valid", "test"])
-    evaluate.add_argument("--sentences", type=int, default=0, help="evaluate the first N sentences (0: all)")
-    export = commands.add_parser("export", help="write a checkpoint for deployment (torch, torch.export or ONNX)")
-    export.add_argument("checkpoint", help="a checkpoint folder or a training-run folder")
-    export.add_argument("--format", default="torch", choices=["torch", "exported", "onnx"])
-    export.add_argument("--out", required=True, help="a folder (torch), a .pt2 file (exported) or a .onnx file")
-    args = parser.parse_args(argv)
-    if args.command == "train":
-        return run_train(args.config, args.out, args.resume)
+    args = build_parser().parse_args(argv)
+    verb = [args.command, getattr(args, "mup_command", None) or getattr(args, "data_command", None)]
+    prog = " ".join(["probformer", *filter(None, verb)])
+    if args.debug:
+        return VERBS[args.command](args)
     try:
-        return _run(args)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError) as error:
-        # a user error is one line on stderr, not a traceback
-        print(f"probformer {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        with warnings.catch_warnings():
+            _quiet_known_warnings()
+            return VERBS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError, ImportError, FloatingPointError) as error:
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 1 if _run_failed(error) else 2
 
 
-def _run(args) -> int:
-    if args.command == "export":
-        from probformer import deploy
-
-        path = deploy.export(args.checkpoint, args.out, format=args.format)
-        print(f"wrote {path} ({args.format}); its logits match the checkpoint's within {deploy.TOLERANCE:g}")
-        return 0
-    if args.command == "evaluate":
-        from probformer.training import evaluate as evaluation
-
-        metrics = evaluation.evaluate(args.checkpoint, args.task, args.data, args.split, args.sentences)
-        print(f"{args.task} on {args.data or ('ptb' if args.task == 'mlm' else 'ewt')} ({args.split}):")
-        evaluation.print_table(args.task, metrics)
-        return 0
-    if args.command == "demo":
-        from probformer import demo as demo_module
-
-        return demo_module.main(args.steps, args.out)
-    if args.command == "diagnose":
-        return run_diagnose(args.checkpoint, args.data, args.out, args.sentences)
-    return 2
+def _run_failed(error: BaseException) -> bool:
+    """A failure of the run itself, not of what the user gave: a non-finite loss, or a
+    checkpoint / run file that could not be written (disk full, permission)."""
+    checkpoint = sys.modules.get("probformer.training.checkpoint")  # not imported: not raised
+    written = checkpoint is not None and isinstance(error, checkpoint.WriteError)
+    return written or isinstance(error, FloatingPointError)
 
 
-def run_train(config_path: str, out: str | None, resume: bool) -> int:
-    """``probformer train``: the whole config is validated (tables, keys, ranges, the
-    model config and its size) before any folder is created; a bad config, bad data, a
-    failed write or a non-finite loss ends with one line on stderr, not a traceback."""
-    import sys
-    from pathlib import Path
+def _quiet_known_warnings() -> None:
+    """Warnings the verbs cannot fix at their cause (raised inside third-party code)."""
 
+
+def _existing(path: str, what: str = "a checkpoint nor a training-run folder") -> str:
+    """Fail before the heavy imports when a MODEL path does not exist."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} is neither {what}: it does not exist")
+    return path
+
+
+# ---- the verbs ---------------------------------------------------------------------------------
+
+
+def run_demo(args) -> int:
+    from probformer import demo
+
+    return demo.main(args.steps, args.out)
+
+
+def run_train(args) -> int:
+    """The whole config is validated (tables, keys, ranges, the model config and its size)
+    before any folder is created."""
+    import json
+
+    if not Path(args.config).is_file():
+        raise FileNotFoundError(f"config file {args.config} does not exist")
     from probformer.training import run_config
-    from probformer.training.checkpoint import WriteError
-    from probformer.training.trainer import train as run_training
 
-    try:
-        config = run_config.load(config_path)
-        run_training(config, out or str(Path("runs") / Path(config_path).stem), resume=resume)
-    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError, WriteError) as error:
-        print(f"probformer train: error: {error}", file=sys.stderr)
-        return 1
+    config = run_config.load(args.config, args.overrides)
+    if args.print_config:
+        print(json.dumps(config.to_dict(), indent=1))
+        return 0
+    from probformer.training.trainer import train
+
+    train(config, args.out or str(Path("runs") / Path(args.config).stem), resume=args.resume)
     return 0
 
 
-def read_sentences(data: str) -> list[list[str]]:
-    """Sentences from ``ptb-<split>`` or a text file with one sentence per line."""
-    from pathlib import Path
+def run_evaluate(args) -> int:
+    _check_count(args.sentences, 0)
+    _existing(args.model)
+    from probformer.training import evaluate as evaluation
 
-    from probformer.training.data import ptb_sentences
-
-    if data.startswith("ptb-"):
-        return ptb_sentences(data[4:])
-    path = Path(data)
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {data!r} is neither ptb-<split> nor an existing file")
-    sentences = [line.split() for line in path.read_text().splitlines() if line.strip()]
-    if not sentences:
-        raise ValueError(f"--data {data!r} holds no sentences")
-    return sentences
+    metrics = evaluation.evaluate(args.model, args.task, args.data, args.split, args.sentences)
+    data = args.data or ("ptb" if args.task == "mlm" else "ewt")
+    split = args.split or ("valid" if data in ("ptb", "ewt") else "all")
+    print(f"{args.task} on {data} ({split}):")
+    evaluation.print_table(args.task, metrics)
+    return 0
 
 
-def run_diagnose(checkpoint: str, data: str, out: str, count: int) -> int:
-    from pathlib import Path
+def run_export(args) -> int:
+    _existing(args.model)
+    from probformer import deploy
 
+    path = deploy.export(args.model, args.out, format=args.format)
+    print(f"wrote {path} ({args.format}); its logits match the checkpoint's within {deploy.TOLERANCE:g}")
+    return 0
+
+
+def run_fetch(args) -> int:
+    from probformer.training.fetch import fetch
+
+    folder = fetch(args.name, cache=args.cache)
+    print(f"{args.name}: {folder}")
+    return 0
+
+
+def _check_count(value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"--sentences must be >= {low}, got {value}")
+
+
+def _old_data_spelling(data: str | None, split: str | None) -> tuple[str | None, str | None]:
+    """``--data ptb-valid`` (the earlier spelling) is ``--data ptb --split valid``."""
+    for source in ("ptb", "ewt"):
+        for name in ("train", "valid", "test"):
+            if data == f"{source}-{name}" and not Path(data).exists():
+                if split not in (None, name):
+                    raise ValueError(f"--data {data} and --split {split} disagree")
+                return source, name
+    return data, split
+
+
+def run_diagnose(args) -> int:
+    _check_count(args.sentences, 1)
+    source, split = _old_data_spelling(args.data or "ptb", args.split)
+    if source not in ("ptb", "ewt") and not Path(source).exists():
+        raise FileNotFoundError(f"--data {source!r} is neither ptb, ewt nor an existing file or folder")
+    _existing(args.model)
     from probformer import diagnostics
-    from probformer.training import checkpoint as checkpoints
-    from probformer.training import data as text
+    from probformer.training import evaluate as evaluation
+    from probformer.training.corpus import collate
 
-    if count < 1:
-        raise ValueError(f"--sentences must be >= 1, got {count}")
-    model, vocabulary = checkpoints.load(checkpoint)
+    model, vocabulary = evaluation.load_any(args.model)
     if vocabulary is None:
-        raise ValueError(f"{checkpoint} has no vocabulary.json: cannot turn --data text into token ids")
-    limit = getattr(model.config, "max_length", 512)
-    sentences = [s for s in read_sentences(data) if 0 < len(s) <= limit][:count]
-    if not sentences:
-        raise ValueError(f"no sentence of --data fits the model's max_length={limit}")
-    tokens, mask = next(text.batches(sentences, vocabulary, batch_size=len(sentences), max_length=limit))
+        raise ValueError(f"{args.model} has no vocabulary.json: cannot turn --data text into token ids")
+    sentences, split = evaluation.read_split(source, split)
+    limit = getattr(model.config, "max_length", None) or 10**9  # the PT has no length limit
+    examples, windowed = evaluation.encode_windows(sentences[: args.sentences], vocabulary, limit)
+    if not examples:
+        raise ValueError(f"--data {source} --split {split} holds no sentences")
+    tokens, mask, _ = collate(examples)
     report = diagnostics.report(model, tokens, mask)
-    out_dir = Path(out)
+    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report.to_netcdf(str(out_dir / "report.nc"))
     figures = diagnostics.plot_report(report, out_dir)
-    print(f"{type(model).__name__} on {len(sentences)} sentences of {data}")
-    div = report["diversity"]
-    has_weights = "ess" in report.groups()  # models without attention weights report diversity only
-    print("layer  " + ("ESS(received)/n  k-hat(mass)  " if has_weights else "") + "cosine  eff.rank  dist(rank-1)")
-    for layer in range(div.sizes["layer"]):
-        weights = ""
-        if has_weights:
-            ess = float(report["ess"]["columns"][layer].mean())
-            k_hat = float(np.nanmean(report["pareto_k"]["attention_mass"][layer]))
-            weights = f"{ess:15.3f}  {k_hat:11.3f}  "
-        print(
-            f"{layer:5d}  {weights}{float(div['cosine'][layer]):6.3f}  {float(div['effective_rank'][layer]):8.2f}"
-            f"  {float(div['rank_one_distance'][layer]):12.3f}"
-        )
-    if "elbo" in report.groups():
-        print("ELBO per iteration: " + " ".join(f"{v:.2f}" for v in report["elbo"]["elbo"].values))
+    cut = f"; {windowed} longer than max_length={limit} cut into windows" if windowed else ""
+    print(f"{type(model).__name__} on {min(args.sentences, len(sentences))} sentences of {source} ({split}){cut}")
+    print(diagnostics.describe(report))
     print(f"wrote {out_dir / 'report.nc'} and {', '.join(Path(f).name for f in figures)}")
     return 0
+
+
+VERBS = {
+    "demo": run_demo,
+    "train": run_train,
+    "evaluate": run_evaluate,
+    "diagnose": run_diagnose,
+    "export": run_export,
+    "mup": mup_commands.run,
+    "data": run_fetch,
+}

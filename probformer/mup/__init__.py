@@ -1,20 +1,12 @@
 """μP for the Probabilistic Transformer: the parametrisation lives with the models
 (``probformer.models.mup``); this package adds the tools that check it:
-``probformer.mup.coord_check`` and ``probformer.mup.neighbourhood`` (``python -m
-probformer.mup coord-check | neighbourhood``)."""
+``probformer.mup.coord_check`` and ``probformer.mup.neighbourhood`` (``probformer mup
+coord-check | neighbourhood``, or ``python -m probformer.mup ...``).
 
-from probformer.models.mup import (  # noqa: F401
-    GROUPS,
-    PARADIGMS,
-    base_shape,
-    base_width,
-    engine_scales,
-    initialise,
-    param_groups,
-    roles,
-    widen,
-    width_multiplier,
-)
+The parametrisation's names are re-exported on first use (not at import), so that the
+command line can build its ``mup`` verbs (probformer.mup.commands) without importing torch."""
+
+import importlib
 
 __all__ = [
     "PARADIGMS",
@@ -28,3 +20,15 @@ __all__ = [
     "param_groups",
     "roles",
 ]
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module 'probformer.mup' has no attribute {name!r}")
+    value = getattr(importlib.import_module("probformer.models.mup"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,4 @@
-"""``probformer evaluate CHECKPOINT --task mlm|pos|uas``: the metric table of a trained model.
+"""``probformer evaluate MODEL --task mlm|pos|uas``: the metric table of a trained model.
 
 - mlm: masked-token loss and perplexity (fixed 15% BERT masks) on PTB or EWT or a text file;
 - pos: UPOS accuracy of a tagging model on EWT;
@@ -6,6 +6,16 @@
   head of each word is compared with the gold UD head (a head on the ROOT node counts
   as "root"); reported per channel, best channel and mean, beside the trivial
   left-/right-neighbour baselines.
+
+Splits (``read_split``): PTB has train/valid/test, EWT train/valid (its dev file)/test.
+A plain-text file or folder has the trainer's split: its last 5% of lines (at least one)
+are ``valid``, the rest ``train``; ``all`` is every line (a separate test file); it has no
+``test`` split of its own.
+
+Sentences longer than the model's ``max_length`` are never dropped: for mlm and pos they
+are cut into consecutive windows of at most ``max_length`` tokens, each token scored
+once (``windowed`` in the metrics counts them); uas cannot cut a tree, so those
+sentences are left out and counted (``skipped_too_long``).
 """
 
 from __future__ import annotations
@@ -18,9 +28,11 @@ from probformer.training import checkpoint, data
 from probformer.training.corpus import IGNORE
 from probformer.training.trainer import evaluate_model, latest_checkpoint
 
-__all__ = ["load_any", "evaluate", "attachment_scores", "TASKS"]
+__all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "windows", "encode_windows", "TASKS", "SPLITS"]
 
 TASKS = ("mlm", "pos", "uas")
+SPLITS = ("train", "valid", "test", "all")
+HELD_OUT = 20  # a text source validates on its last 1/20 of lines (as corpus.prepare_corpus splits it)
 
 
 def load_any(path):
@@ -36,17 +48,56 @@ def load_any(path):
     raise FileNotFoundError(f"{path} is neither a checkpoint nor a training-run folder")
 
 
-def _examples(sentences, vocabulary, max_length, tags=None):
+def read_split(source: str, split: str | None = None) -> tuple[list, str]:
+    """The sentences of ``split`` of a data source and the split's name: PTB and EWT
+    (``TreebankSentence``, with tags and heads) by their own splits, a text file or folder
+    (lists of words) by the trainer's held-out slice. ``split=None`` is ``valid`` for
+    PTB and EWT, ``all`` for text."""
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"--split must be one of {list(SPLITS)}, got {split!r}")
+    if source in ("ptb", "ewt"):
+        split = split or "valid"
+        if split == "all":
+            raise ValueError(f"--split all is for a text file or folder; --data {source} has train, valid and test")
+        if source == "ptb":
+            return data.ptb_sentences(split), split
+        return data.read_conllu(data.ewt_path("dev" if split == "valid" else split)), split
+    split = split or "all"
+    if split == "test":
+        raise ValueError(
+            f"--data {source}: a text file or folder has no test split (its splits are train, valid = the last "
+            f"5% of lines, as in training, and all); pass the test text as its own file with --split all"
+        )
+    lines = data.text_lines(source)
+    if split != "all" and len(lines) < 2:
+        raise ValueError(f"--data {source} needs at least 2 lines for --split {split} (train and valid)")
+    held_out = max(1, len(lines) // HELD_OUT)
+    chosen = {"all": lines, "train": lines[:-held_out], "valid": lines[-held_out:]}[split]
+    return [line.split() for line in chosen], split
+
+
+def windows(ids: list, max_length: int) -> list[list]:
+    """``ids`` cut into consecutive windows of at most ``max_length`` items (one window
+    when it fits): every token is scored once, with the context of its window."""
+    return [ids[start : start + max_length] for start in range(0, len(ids), max_length)] or [ids]
+
+
+def encode_windows(sentences, vocabulary, max_length, tags=None) -> tuple[list, int]:
+    """``(ids, labels)`` examples, a long sentence as several windows; and how many
+    sentences were cut."""
     tag_index = {t: i for i, t in enumerate(tags or [])}
-    examples = []
+    examples, windowed = [], 0
     for sentence in sentences:
         words = sentence.words if isinstance(sentence, data.TreebankSentence) else sentence
         ids = vocabulary.encode(words)
-        if not ids or len(ids) > max_length:
+        if not ids:
             continue
         labels = [tag_index.get(t, IGNORE) for t in sentence.upos] if tags else None
-        examples.append((ids, labels))
-    return examples
+        windowed += len(ids) > max_length
+        pieces = windows(ids, max_length)
+        label_pieces = windows(labels, max_length) if labels is not None else [None] * len(pieces)
+        examples.extend(zip(pieces, label_pieces, strict=True))
+    return examples, windowed
 
 
 @torch.no_grad()
@@ -91,36 +142,40 @@ def attachment_scores(model, vocabulary, sentences: list[data.TreebankSentence],
     }
 
 
-def evaluate(path, task: str, source: str | None = None, split: str = "valid", sentences: int = 0) -> dict:
+def evaluate(path, task: str, source: str | None = None, split: str | None = None, sentences: int = 0) -> dict:
+    """The metrics of the model at ``path`` (a checkpoint or run folder) on the first
+    ``sentences`` sentences (0: all) of ``split`` of ``source`` (default: ptb for mlm,
+    ewt for pos and uas; see ``read_split``)."""
     if task not in TASKS:
         raise ValueError(f"--task must be one of {list(TASKS)}, got {task!r}")
-    if split not in ("valid", "test"):
-        raise ValueError(f"--split must be 'valid' or 'test', got {split!r}")
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"--split must be one of {list(SPLITS)}, got {split!r}")
+    if isinstance(sentences, bool) or not isinstance(sentences, int) or sentences < 0:
+        raise ValueError(f"--sentences must be an integer >= 0, got {sentences!r}")
+    source = source or ("ptb" if task == "mlm" else "ewt")
+    if task != "mlm" and source != "ewt":
+        raise ValueError(f"--task {task} needs --data ewt (gold tags and heads)")
     model, vocabulary = load_any(path)
     if vocabulary is None:
         raise ValueError(f"{path} has no vocabulary: cannot encode evaluation text")
-    source = source or ("ptb" if task == "mlm" else "ewt")
-    max_length = getattr(model.config, "max_length", 10_000)
-    if source == "ewt":
-        trees = data.read_conllu(data.ewt_path("dev" if split == "valid" else "test"))
-    elif task != "mlm":
-        raise ValueError(f"--task {task} needs --data ewt (gold tags and heads)")
-    elif source == "ptb":
-        trees = data.ptb_sentences(split)
-    else:
-        trees = [line.split() for line in data.text_lines(source)]
+    trees, split = read_split(source, split)
     trees = trees[:sentences] if sentences else trees
+    max_length = getattr(model.config, "max_length", None) or 10**9  # the PT has no length limit
     if task == "uas":
-        return attachment_scores(model, vocabulary, [t for t in trees if len(t.words) <= max_length])
+        fits = [t for t in trees if len(t.words) <= max_length]
+        return {**attachment_scores(model, vocabulary, fits), "skipped_too_long": len(trees) - len(fits)}
     if task == "pos":
         if model.config.task != "tagging":
             raise ValueError(f"--task pos needs a tagging model, got task {model.config.task!r}")
-        tags = _checkpoint_tags(path)
-        examples = _examples(trees, vocabulary, max_length, tags)
-        return evaluate_model(model, examples, "pos", len(vocabulary))
-    if model.config.task != "mlm":
-        raise ValueError(f"--task mlm needs an MLM model, got task {model.config.task!r}")
-    return evaluate_model(model, _examples(trees, vocabulary, max_length), "mlm", len(vocabulary))
+        examples, windowed = encode_windows(trees, vocabulary, max_length, _checkpoint_tags(path))
+    else:
+        if model.config.task != "mlm":
+            raise ValueError(f"--task mlm needs an MLM model, got task {model.config.task!r}")
+        examples, windowed = encode_windows(trees, vocabulary, max_length)
+    if not examples:
+        raise ValueError(f"--data {source} --split {split} holds no sentences to evaluate")
+    metrics = evaluate_model(model, examples, task, len(vocabulary))
+    return {**metrics, "sentences": len(trees), "windowed": windowed}
 
 
 def _checkpoint_tags(path) -> list[str]:
@@ -145,6 +200,9 @@ def print_table(task: str, metrics: dict) -> None:
             f"  baselines: left neighbour {metrics['left_neighbour_baseline']:.4f}, "
             f"right neighbour {metrics['right_neighbour_baseline']:.4f}"
         )
+        if metrics.get("skipped_too_long"):
+            print(f"  left out: {metrics['skipped_too_long']} sentences longer than the model's max_length")
         return
     for key, value in metrics.items():
-        print(f"  {key:12s} {value:.4f}" if isinstance(value, float) else f"  {key:12s} {value}")
+        note = "  (sentences longer than the model's max_length, scored in windows)" if key == "windowed" else ""
+        print(f"  {key:12s} {value:.4f}" if isinstance(value, float) else f"  {key:12s} {value}{note}")

@@ -24,6 +24,8 @@ __all__ = [
     "TrainConfig",
     "RunConfig",
     "load",
+    "apply_overrides",
+    "parse_override",
     "SOURCES",
     "TASKS",
     "SCHEDULES",
@@ -54,6 +56,7 @@ _TRAIN_RANGES = {
     "eval_sentences": (0, 100_000_000),
     "checkpoint_every": (0, 100_000_000),
     "log_every": (1, 100_000_000),
+    "diagnostics_every": (0, 100_000_000),
     "threads": (0, 1_024),
 }
 _TRAIN_REALS = {"lr": (0.0, 10.0, False), "weight_decay": (0.0, 10.0, True), "clip": (0.0, 1e6, True)}
@@ -117,6 +120,7 @@ class TrainConfig(ConfigMixin):
     eval_sentences: int = 0  # validation sentences per periodic evaluation (0: all)
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
     log_every: int = 10  # steps between metrics lines
+    diagnostics_every: int = 100  # steps between per-layer ESS/diversity metrics (PT, Particle; 0: never)
     threads: int = 0  # torch threads (0: OMP_NUM_THREADS, else min(2, cores) / processes)
 
     def __post_init__(self):
@@ -190,7 +194,47 @@ def _in_section(section: str, build):
         raise ValueError(re.sub(r"config key '(?![a-z]+\.)(\w+)'", rf"config key '{section}.\1'", str(error))) from None
 
 
-def load(path) -> RunConfig:
+def parse_override(assignment: str) -> tuple[list[str], object]:
+    """``"train.lr=3e-4"`` -> ``(["train", "lr"], 0.0003)``: a dotted key into the TOML
+    tables and a TOML value (``3e-4`` a float, ``true`` a bool, ``"full"`` or a bare word
+    that is not TOML, such as ``full`` or ``window(2)``, a string)."""
+    if not isinstance(assignment, str):
+        raise TypeError(f"--set takes a string KEY=VALUE, got {type(assignment).__name__}")
+    key, equals, text = assignment.partition("=")
+    path = key.strip().split(".")
+    if not equals or len(path) < 2 or not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", part) for part in path):
+        raise ValueError(f"--set {assignment!r}: expected TABLE.KEY=VALUE, e.g. model.rank=32 or train.lr=3e-4")
+    if path[0] not in ("model", "data", "train"):
+        raise ValueError(f"--set {assignment!r}: unknown config table {path[0]!r}; allowed: ['data', 'model', 'train']")
+    text = text.strip()
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        if not text or any(c in text for c in "\"'[]{}\n"):  # meant as TOML but malformed: say so
+            raise ValueError(f"--set {assignment!r}: {text!r} is not a TOML value") from None
+        value = text  # a bare word: a string
+    return path, value
+
+
+def apply_overrides(values: dict, assignments) -> dict:
+    """A copy of the TOML tables ``values`` with each ``TABLE.KEY=VALUE`` of
+    ``assignments`` set, as if written in the file (the result is then validated like
+    the file: unknown keys and wrong types are errors naming ``table.key``)."""
+    values = {name: dict(table) if isinstance(table, dict) else table for name, table in values.items()}
+    for assignment in assignments:
+        path, value = parse_override(assignment)
+        table = values
+        for depth, part in enumerate(path[:-1]):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ValueError(f"--set {assignment!r}: {'.'.join(path[: depth + 1])!r} is a value, not a table")
+        table[path[-1]] = value
+    return values
+
+
+def load(path, overrides=()) -> RunConfig:
+    """The run config in the TOML file ``path``, with ``overrides`` (``TABLE.KEY=VALUE``
+    strings, ``probformer train --set``) applied before validation."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
@@ -198,4 +242,4 @@ def load(path) -> RunConfig:
         values = tomllib.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"{path} is not valid TOML: {error}") from None
-    return RunConfig.from_dict(values)
+    return RunConfig.from_dict(apply_overrides(values, overrides))

@@ -1,0 +1,69 @@
+"""The μP tools as command-line verbs: ``probformer mup coord-check | neighbourhood``
+(also ``python -m probformer.mup ...``). Both programs build their parsers here, so the
+options, defaults and help are the same in both."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["add_commands", "run"]
+
+
+def _widths(text: str) -> list[int]:
+    try:
+        widths = [int(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers such as 64,128,256, got {text!r}") from None
+    if len(widths) < 2 or min(widths) < 4:
+        raise argparse.ArgumentTypeError(f"expected at least two widths, each >= 4, got {text!r}")
+    return widths
+
+
+def add_commands(commands, **parser_options) -> None:
+    """Add ``coord-check`` and ``neighbourhood`` to the sub-parsers ``commands``
+    (``parser_options``, e.g. the help formatter, go to each parser)."""
+    check = commands.add_parser(
+        "coord-check",
+        help="activation sizes vs width, standard and μP, both paradigms",
+        description="Train a few steps at each width and plot every activation group's size: flat under μP.",
+        **parser_options,
+    )
+    check.add_argument("--out", required=True, help="folder for coord_check.json and the PNGs")
+    check.add_argument("--widths", type=_widths, default="64,128,256,512,1024", help="comma-separated widths")
+    check.add_argument("--steps", type=int, default=5, help="AdamW steps per width")
+    check.add_argument("--lr", type=float, default=1e-2, help="learning rate")
+    search = commands.add_parser(
+        "neighbourhood",
+        help="random search around a tuned point: the base point's rank",
+        description="Perturb lr and the six information weights around a run config's values; rank the base point.",
+        **parser_options,
+    )
+    search.add_argument("--config", required=True, help="a probabilistic_transformer TOML run config")
+    search.add_argument(
+        "--samples", type=int, default=None, help="perturbed runs (default: the smallest n with 0.95^n <= 0.05, 59)"
+    )
+    search.add_argument("--radius", type=float, default=0.5, help="relative half-width of the interval")
+    search.add_argument("--seed", type=int, default=0, help="seed of the perturbations")
+    search.add_argument("--out", help="JSON report path (default: none written)")
+
+
+def run(args) -> int:
+    """Run the verb ``args.mup_command`` parsed by ``add_commands``."""
+    import torch
+
+    torch.set_num_threads(1)
+    if args.mup_command == "coord-check":
+        from probformer.mup import coord_check
+
+        if args.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {args.steps}")
+        widths = args.widths if isinstance(args.widths, list) else _widths(args.widths)
+        coord_check.main(args.out, widths=widths, steps=args.steps, lr=args.lr)
+        out = Path(args.out)
+        print(f"wrote {out / 'coord_check.json'}, {out / 'coord_check_channels.png'}, {out / 'coord_check_rank.png'}")
+        return 0
+    from probformer.mup import neighbourhood
+
+    neighbourhood.run(args.config, args.samples, args.radius, args.seed, args.out)
+    return 0
