@@ -1,7 +1,8 @@
 """Export a trained model for deployment (docs/export.md).
 
     export(model, path, format="torch")     a folder: config.json (format, model kind,
-                                            config) and model.safetensors; no code
+                                            config) and model.safetensors, the folder
+                                            model.save_pretrained writes; no code
     export(model, path, format="exported")  a torch.export ExportedProgram (.pt2) with a
                                             dynamic batch and sequence length
     export(model, path, format="onnx")      ONNX through torch's exporter
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from probformer.deploy.reader import EXPORTED_FORMAT, ONNX_FORMAT, TORCH_FORMAT, load
-from probformer.models import registry
+from probformer.models import pretrained, registry
 from probformer.models.blocks import check_token_inputs
 
 __all__ = ["export", "load", "traced_module", "FORMATS", "TOLERANCE"]
@@ -41,20 +42,6 @@ __all__ = ["export", "load", "traced_module", "FORMATS", "TOLERANCE"]
 FORMATS = ("torch", "exported", "onnx")
 TOLERANCE = 1e-5
 TRACE_MAX_LENGTH = 512  # the longest input of a traced FoldedContext (it has no max_length)
-
-
-def _check_declared(kind: str, model: nn.Module) -> None:
-    """An export stores the config, so the model must be what its config declares: a
-    topology swapped in after construction would be lost, so it is refused."""
-    if kind == "probabilistic_transformer":
-        from graphs.topology import parse
-
-        declared, found = parse(model.config.topology).name, model.crf.topology.name
-        if declared != found:
-            raise ValueError(
-                f"topology {found!r} is not the config's ({declared!r}): an export stores the config, "
-                "so build the model with the topology in PTConfig(topology=...)"
-            )
 
 
 def _refuse_untraceable(kind: str, model: nn.Module, format: str) -> None:
@@ -140,7 +127,7 @@ def export(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a probformer model or a checkpoint path, got {type(model).__name__}")
     kind = registry.kind_of(model)  # raises for a foreign module
-    _check_declared(kind, model)
+    pretrained.check_declared(model)
     if format != "torch":
         _refuse_untraceable(kind, model, format)
     tokens, mask = _example(model, example)
@@ -201,14 +188,7 @@ def _replace(path: Path, write) -> None:
 
 
 def _write_folder(folder: Path, model, vocabulary, max_length) -> None:
-    from safetensors.torch import save_file
-
-    folder.mkdir()
-    kind = registry.kind_of(model)
-    weights = {k: v.detach().contiguous().cpu() for k, v in registry.unique_state(model).items()}
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": TORCH_FORMAT, "model": kind})
-    meta = {"format": TORCH_FORMAT, "model": kind, "config": model.config.to_dict()}
-    (folder / "config.json").write_text(json.dumps(meta, indent=1))
+    pretrained.save_pretrained(model, folder)  # the same folder as model.save_pretrained, plus the vocabulary
     if vocabulary is not None:
         (folder / "vocabulary.json").write_text(json.dumps(vocabulary.words))
         if hasattr(vocabulary, "tokenizer"):

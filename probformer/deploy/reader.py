@@ -1,6 +1,7 @@
 """Load what ``probformer.export`` wrote, trusting nothing in the file to be code.
 
-    load(path)   a torch folder -> the model (``LogitsOnly``, eval, no grad)
+    load(path)   a torch folder -> the model (``LogitsOnly``, eval, no grad), read by
+                 ``probformer.models.pretrained`` (the folder ``save_pretrained`` writes)
                  a .pt2 file    -> ``CheckedProgram``: the ExportedProgram behind input checks
                  an .onnx file  -> ``CheckedOnnx``: an onnxruntime session behind input checks
 
@@ -18,22 +19,20 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import stat
 from pathlib import Path
 
 import torch
 
 from probformer.deploy import archive
-from probformer.models import registry
-from probformer.models.blocks import check_token_inputs, non_finite
+from probformer.models import pretrained, registry
+from probformer.models.blocks import check_token_inputs
+from probformer.models.pretrained import TORCH_FORMAT
 
 __all__ = ["load", "CheckedProgram", "CheckedOnnx", "TORCH_FORMAT", "EXPORTED_FORMAT", "ONNX_FORMAT", "LIMITS"]
 
-TORCH_FORMAT, EXPORTED_FORMAT, ONNX_FORMAT = "probformer-torch/2", "probformer-exported/2", "probformer-onnx/2"
-# bytes read at most, checked on the file's size before reading it
-LIMITS = {"json": 64 << 20, "safetensors": 16 << 30, "pt2": 4 << 30, "onnx": 2 << 30}
-FOLDER_FILES = ("config.json", "model.safetensors", "vocabulary.json", "tokenizer.json")
+EXPORTED_FORMAT, ONNX_FORMAT = "probformer-exported/2", "probformer-onnx/2"
+# bytes read at most, checked on the file's size before reading it (json, safetensors: the torch folder's)
+LIMITS = {**pretrained.LIMITS, "pt2": 4 << 30, "onnx": 2 << 30}
 
 
 def load(path):
@@ -42,8 +41,9 @@ def load(path):
     what probformer writes, ``FileNotFoundError`` when nothing is there."""
     path = Path(path)
     try:
-        if path.is_dir():
-            return _load_folder(path)
+        if path.is_dir():  # the folder save_pretrained writes: read by the one reader of it
+            model = pretrained.load_files(pretrained.folder_files(path))
+            return registry.LogitsOnly(model).eval().requires_grad_(False)
         if not path.is_file():
             raise FileNotFoundError(f"no exported model at {path}")
         with path.open("rb") as file:
@@ -59,128 +59,22 @@ def load(path):
         raise ValueError(f"{path}: cannot be read: {error}") from None
 
 
-# ---- shared checks ----------------------------------------------------------------------
+# ---- shared checks (probformer.models.pretrained's, which the torch folder uses) ---------
 
 
 def _read_bytes(path: Path, limit_name: str) -> bytes:
-    """The content of a regular file no larger than ``LIMITS[limit_name]``, checked on its
-    size before it is read."""
-    info = path.stat()
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{path} is not a regular file")
-    if info.st_size > LIMITS[limit_name]:
-        raise ValueError(f"{path}: {info.st_size} bytes; a {limit_name} file may have at most {LIMITS[limit_name]}")
-    if info.st_size == 0:
-        raise ValueError(f"{path} is empty")
-    return path.read_bytes()
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(_read_bytes(path, "json").decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    return pretrained.read_bytes(path, LIMITS[limit_name], limit_name)
 
 
 def _model_of(meta, expected_format: str, where, device: str = "meta"):
-    """A freshly built model from a ``{"format", "model", "config"}`` record: the format,
-    the kind (``registry.KINDS``) and every config value (by the config class) checked.
-    On the meta device by default: shapes, dtypes and shared tensors without allocating."""
-    # traced formats add "max_length": the longest input the graph was traced for (or null)
-    keys = {"format", "model", "config"} | ({"max_length"} if expected_format != TORCH_FORMAT else set())
-    if not isinstance(meta, dict) or not {"format", "model", "config"} <= set(meta) <= keys:
-        found = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{where}: the probformer record must have keys {sorted(keys)}; got {found}")
+    """A freshly built model from a ``{"format", "model", "config", "max_length"}`` record
+    of a traced format (``max_length``: the longest input the graph was traced for, or
+    null): the format, the kind and every config value checked."""
+    pretrained.check_record(meta, expected_format, where, extra_keys={"max_length"})
     limit = meta.get("max_length")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"{where}: max_length must be null or an integer >= 1, got {limit!r}")
-    if meta["format"] != expected_format:
-        raise ValueError(f"{where}: format must be {expected_format!r}, got {meta['format']!r}")
-    if not isinstance(meta["model"], str) or meta["model"] not in registry.KINDS:
-        raise ValueError(f"{where}: unknown model kind {meta['model']!r}; known: {sorted(registry.KINDS)}")
-    if not isinstance(meta["config"], dict):
-        raise ValueError(f"{where}: config must be a JSON object, got {type(meta['config']).__name__}")
-    try:
-        with torch.device(device):
-            return registry.build(meta["model"], meta["config"]).eval()
-    except Exception as error:  # the config classes raise ValueError/TypeError naming the key
-        raise ValueError(f"{where}: bad model config: {error}") from None
-
-
-def _least_bytes(model) -> int:
-    """The fewest bytes that can hold ``model``'s tensors (each shared tensor once, floats
-    in 16 bits): a file smaller than this cannot be its weights."""
-    unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()
-    return sum(
-        t.numel() * (min(t.element_size(), 2) if t.dtype.is_floating_point else t.element_size()) for t in unique
-    )
-
-
-def _check_finite(tensors: dict, where) -> None:
-    bad = non_finite(tensors)
-    if bad:
-        raise ValueError(f"{where}: tensor {bad[0]!r} holds NaN or infinite values")
-
-
-# ---- the torch folder -------------------------------------------------------------------
-
-
-def _folder_files(folder: Path) -> dict[str, Path]:
-    """The folder's files, refusing symlinks, subfolders and any name not in FOLDER_FILES
-    (a .py, .pkl or .pt beside the weights is refused, not ignored)."""
-    files = {}
-    for entry in os.scandir(folder):
-        if entry.is_symlink():
-            raise ValueError(f"{folder}: {entry.name!r} is a symlink; an exported folder holds regular files only")
-        if entry.name not in FOLDER_FILES or not entry.is_file(follow_symlinks=False):
-            raise ValueError(f"{folder}: unexpected {entry.name!r}; an exported folder holds only {list(FOLDER_FILES)}")
-        files[entry.name] = Path(entry.path)
-    for required in FOLDER_FILES[:2]:
-        if required not in files:
-            raise FileNotFoundError(f"not an exported probformer model: {folder / required} is missing")
-    return files
-
-
-def _load_folder(folder: Path) -> torch.nn.Module:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = _folder_files(folder)
-    meta, where = _read_json(files["config.json"]), files["model.safetensors"]
-    needed = _least_bytes(_model_of(meta, TORCH_FORMAT, files["config.json"]))
-    if needed > where.stat().st_size:  # refused before the model is allocated
-        raise ValueError(
-            f"{files['config.json']}: the config needs at least {needed} bytes of weights, {where} has fewer"
-        )
-    model = _model_of(meta, TORCH_FORMAT, files["config.json"], device="cpu")
-    try:
-        if where.stat().st_size > LIMITS["safetensors"]:
-            raise ValueError(f"{where}: larger than {LIMITS['safetensors']} bytes")
-        weights = load_file(str(where))  # memory-mapped; a regular file (checked by _folder_files)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        raise ValueError(f"{where} is not a readable safetensors file: {error}") from None
-    dtype = registry.check_weights({k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}, model, where, True)
-    _check_finite(weights, where)
-    if dtype is not None:
-        model.to(dtype)  # a model exported in bf16 loads in bf16
-    expected = model.state_dict(keep_vars=True)
-    by_tensor = {id(expected[name]): tensor for name, tensor in weights.items()}
-    model.load_state_dict({name: by_tensor[id(t)] for name, t in expected.items()})  # aliases take their twin
-    _check_vocabulary(files, model)
-    return registry.LogitsOnly(model).eval().requires_grad_(False)
-
-
-def _check_vocabulary(files: dict[str, Path], model) -> None:
-    if "vocabulary.json" in files:
-        words = _read_json(files["vocabulary.json"])
-        if not (isinstance(words, list) and all(isinstance(w, str) for w in words)):
-            raise ValueError(f"{files['vocabulary.json']}: a vocabulary is a JSON list of strings")
-        if len(words) != model.config.vocab_size:
-            raise ValueError(
-                f"{files['vocabulary.json']}: {len(words)} words, but vocab_size is {model.config.vocab_size}"
-            )
-    if "tokenizer.json" in files and not isinstance(_read_json(files["tokenizer.json"]), dict):
-        raise ValueError(f"{files['tokenizer.json']}: a tokenizer file is a JSON object")
+    return pretrained.build_model(meta, where, device)
 
 
 # ---- .pt2 ---------------------------------------------------------------------------------
@@ -214,7 +108,7 @@ def _load_exported(path: Path) -> CheckedProgram:
         if fqn in contents.constants and (fqn not in buffers or tuple(buffers[fqn].shape) != payload.shape):
             raise ValueError(f"{path}: constant {fqn!r} is not a buffer of the model")
         if tensor is not None:
-            _check_finite({fqn: tensor}, path)
+            pretrained.check_finite({fqn: tensor}, path)
     fresh = archive.repack_pt2(contents, sample_inputs=b"")  # empty: torch unpickles no sample inputs
     try:
         program = torch.export.load(io.BytesIO(fresh))

@@ -16,6 +16,7 @@ from torch import nn
 
 from probformer.models.blocks import NORMS, Block, TaskHead, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
+from probformer.models.pretrained import PretrainedMixin
 
 __all__ = ["TransformerConfig", "Transformer", "equal_size", "parameter_count"]
 
@@ -48,7 +49,7 @@ class TransformerConfig(ConfigMixin):
         self.check_task("transformer")
 
 
-class Transformer(nn.Module):
+class Transformer(nn.Module, PretrainedMixin):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter

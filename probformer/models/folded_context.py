@@ -30,6 +30,7 @@ from torch import nn
 from inference.folding import segment_stream
 from probformer.models.blocks import Block, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
+from probformer.models.pretrained import PretrainedMixin
 
 __all__ = ["FoldedContextConfig", "FoldedContext", "FoldedStreamState"]
 
@@ -71,7 +72,7 @@ class FoldedStreamState:
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
 
-class FoldedContext(nn.Module):
+class FoldedContext(nn.Module, PretrainedMixin):
     def __init__(self, config: FoldedContextConfig):
         super().__init__()
         refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter

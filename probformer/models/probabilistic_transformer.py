@@ -24,6 +24,7 @@ from probformer.models import mup
 from probformer.models.blocks import POOLINGS, TASKS, TaskHead, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 from probformer.models.mup import PARADIGMS
+from probformer.models.pretrained import PretrainedMixin
 
 __all__ = ["PTConfig", "ProbabilisticTransformer"]
 
@@ -128,7 +129,7 @@ ENGINE_KEYS = ("iterations", "schedule", "mup", "kernel", "dropout", "halting", 
 ENGINE_KEYS += ("exit_threshold", "span", "span_max", "span_ramp", "memory_topk")
 
 
-class ProbabilisticTransformer(nn.Module):
+class ProbabilisticTransformer(nn.Module, PretrainedMixin):
     def __init__(self, config: PTConfig):
         super().__init__()
         refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter

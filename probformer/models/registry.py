@@ -34,12 +34,13 @@ def classes(kind: str) -> tuple[type, type]:
 
 
 def kind_of(model) -> str:
-    """The kind of a model instance (under DDP or torch.compile too)."""
+    """The kind of a model instance (under DDP or torch.compile too) or of a model class."""
     model = getattr(model, "module", getattr(model, "_orig_mod", model))
+    cls = model if isinstance(model, type) else type(model)
     for kind, (module, _, model_name) in KINDS.items():
-        if type(model).__name__ == model_name and type(model).__module__ == f"probformer.models.{module}":
+        if cls.__name__ == model_name and cls.__module__ == f"probformer.models.{module}":
             return kind
-    raise ValueError(f"not a probformer model: {type(model).__name__}; known kinds: {sorted(KINDS)}")
+    raise ValueError(f"not a probformer model: {cls.__name__}; known kinds: {sorted(KINDS)}")
 
 
 def build(kind: str, config: dict, section: str = "config") -> nn.Module:

@@ -38,6 +38,7 @@ from torch import nn
 
 from probformer.models.blocks import Block, TaskHead, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
+from probformer.models.pretrained import PretrainedMixin
 
 __all__ = ["SwarmConfig", "SwarmFormer", "SwarmLayer", "ROUTINGS"]
 
@@ -167,7 +168,7 @@ class SwarmLayer(nn.Module):
         return x, {"assignment": assignment, "probabilities": probabilities, "writers": writers, "clusters": clusters}
 
 
-class SwarmFormer(nn.Module):
+class SwarmFormer(nn.Module, PretrainedMixin):
     def __init__(self, config: SwarmConfig):
         super().__init__()
         refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter

@@ -1,0 +1,300 @@
+"""``save_pretrained`` / ``from_pretrained``: a model as a folder of ``config.json`` and
+``model.safetensors`` (the Hugging Face layout), read with the checks of ``probformer.load``.
+
+    save_pretrained(model, folder)        any model kind -> the folder
+    from_pretrained(folder)               the trainable model (eval mode), its kind read from config.json
+    Model.from_pretrained(folder)         the same, refusing a folder that holds another kind
+    model.save_pretrained(folder)         (``PretrainedMixin``: every model class inherits it)
+
+The folder is one format with ``probformer.export(model, path, format="torch")``, which
+calls ``save_pretrained`` and adds the vocabulary; ``load_files`` is the one reader of it
+(``probformer.load`` wraps what it returns in ``registry.LogitsOnly``). ``config.json`` is
+the record ``{"format": "probformer-torch/2", "model": kind, "config": {...}}``: the kind
+picks the class (``registry.KINDS``), the config is checked by its config class, and the
+weights against a model built from it, before anything is allocated at full size. Nothing
+in the folder is ever run: weights come from safetensors, never from pickle, and any file
+other than config.json, model.safetensors, vocabulary.json and tokenizer.json is refused.
+Why a mixin of our own and not huggingface_hub's: docs/models.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from probformer.models import registry
+from probformer.models.blocks import non_finite
+
+__all__ = ["PretrainedMixin", "save_pretrained", "from_pretrained", "load_files", "folder_files", "TORCH_FORMAT"]
+
+TORCH_FORMAT = "probformer-torch/2"
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+FOLDER_FILES = (CONFIG_NAME, WEIGHTS_NAME, "vocabulary.json", "tokenizer.json")
+# bytes read at most, checked on the file's size before reading it
+LIMITS = {"json": 64 << 20, "safetensors": 16 << 30}
+# "owner/name": what from_pretrained looks up on the Hugging Face hub when no such folder exists
+HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+class PretrainedMixin:
+    """``model.save_pretrained(folder)`` and ``Model.from_pretrained(folder_or_repo)``,
+    named and called as huggingface_hub's ``ModelHubMixin``; both are this module's
+    functions, so every kind is saved and read by one implementation."""
+
+    def save_pretrained(self, save_directory) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` into ``save_directory``."""
+        return save_pretrained(self, save_directory)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **options) -> nn.Module:
+        """The model saved in a folder (or a hub repo ``owner/name``); ``ValueError`` if the
+        folder holds another kind. ``options``: those of ``from_pretrained``."""
+        return from_pretrained(pretrained_model_name_or_path, kind=registry.kind_of(cls), **options)
+
+
+# ---- reading files, shared with probformer.load --------------------------------------------
+
+
+def read_bytes(path: Path, limit: int, what: str) -> bytes:
+    """The content of a regular file of at most ``limit`` bytes, checked on its size
+    before it is read."""
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    if info.st_size > limit:
+        raise ValueError(f"{path}: {info.st_size} bytes; a {what} file may have at most {limit}")
+    if info.st_size == 0:
+        raise ValueError(f"{path} is empty")
+    return path.read_bytes()
+
+
+def read_json(path: Path):
+    try:
+        return json.loads(read_bytes(path, LIMITS["json"], "json").decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+
+
+def check_record(meta, expected_format: str, where, extra_keys=()) -> None:
+    """A ``{"format", "model", "config"}`` record (plus ``extra_keys``, which the caller
+    checks): the format, a known kind and a config object."""
+    keys = {"format", "model", "config"} | set(extra_keys)
+    if not isinstance(meta, dict) or not {"format", "model", "config"} <= set(meta) <= keys:
+        found = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{where}: the probformer record must have keys {sorted(keys)}; got {found}")
+    if meta["format"] != expected_format:
+        raise ValueError(f"{where}: format must be {expected_format!r}, got {meta['format']!r}")
+    if not isinstance(meta["model"], str) or meta["model"] not in registry.KINDS:
+        raise ValueError(f"{where}: unknown model kind {meta['model']!r}; known: {sorted(registry.KINDS)}")
+    if not isinstance(meta["config"], dict):
+        raise ValueError(f"{where}: config must be a JSON object, got {type(meta['config']).__name__}")
+
+
+def build_model(meta: dict, where, device: str = "meta") -> nn.Module:
+    """A fresh eval-mode model from a checked record, every config value checked by its
+    config class. On the meta device by default: shapes, dtypes and shared tensors
+    without allocating."""
+    try:
+        with torch.device(device):
+            return registry.build(meta["model"], meta["config"]).eval()
+    except Exception as error:  # the config classes raise ValueError/TypeError naming the key
+        raise ValueError(f"{where}: bad model config: {error}") from None
+
+
+def check_finite(tensors: dict, where) -> None:
+    bad = non_finite(tensors)
+    if bad:
+        raise ValueError(f"{where}: tensor {bad[0]!r} holds NaN or infinite values")
+
+
+def least_bytes(model: nn.Module) -> int:
+    """The fewest bytes that can hold ``model``'s tensors (each shared tensor once, floats
+    in 16 bits): a file smaller than this cannot be its weights."""
+    unique = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()
+    return sum(
+        t.numel() * (min(t.element_size(), 2) if t.dtype.is_floating_point else t.element_size()) for t in unique
+    )
+
+
+# ---- saving --------------------------------------------------------------------------------
+
+
+def check_declared(model: nn.Module) -> None:
+    """A saved model is rebuilt from its config, so it must be what its config declares:
+    a PT topology swapped in after construction would be lost, so it is refused."""
+    if registry.kind_of(model) == "probabilistic_transformer":
+        from graphs.topology import parse
+
+        declared, found = parse(model.config.topology).name, model.crf.topology.name
+        if declared != found:
+            raise ValueError(
+                f"topology {found!r} is not the config's ({declared!r}): a saved model stores the config, "
+                "so build the model with the topology in PTConfig(topology=...)"
+            )
+
+
+def save_pretrained(model: nn.Module, save_directory) -> Path:
+    """Write ``model`` (any kind; unwrapped from DDP or ``torch.compile``) into
+    ``save_directory`` as ``config.json`` and ``model.safetensors`` (each shared tensor
+    once, in the model's dtype); returns the folder. The folder is created if needed;
+    one that holds other files is refused (``from_pretrained`` would refuse it)."""
+    kind = registry.kind_of(model)  # ValueError for a foreign module
+    model = getattr(model, "module", getattr(model, "_orig_mod", model))
+    check_declared(model)
+    folder = Path(save_directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    other = sorted(entry.name for entry in os.scandir(folder) if entry.name not in (CONFIG_NAME, WEIGHTS_NAME))
+    if other:
+        raise FileExistsError(
+            f"{folder} holds {other[:5]}: a saved model's folder holds only {CONFIG_NAME} and {WEIGHTS_NAME} "
+            "(from_pretrained refuses anything else); choose another folder or remove them"
+        )
+    from safetensors.torch import save_file
+
+    weights = {name: t.detach().contiguous().cpu() for name, t in registry.unique_state(model).items()}
+    record = {"format": TORCH_FORMAT, "model": kind, "config": model.config.to_dict()}
+    # each file replaced whole: an interrupted save never leaves a half-written one
+    metadata = {"format": TORCH_FORMAT, "model": kind}
+    _replace(folder / WEIGHTS_NAME, lambda p: save_file(weights, str(p), metadata=metadata))
+    _replace(folder / CONFIG_NAME, lambda p: p.write_text(json.dumps(record, indent=1)))
+    return folder
+
+
+def _replace(path: Path, write) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def folder_files(folder: Path) -> dict[str, Path]:
+    """The folder's files, refusing symlinks, subfolders and any name not in FOLDER_FILES
+    (a .py, .pkl, .bin or .pt beside the weights is refused, not ignored)."""
+    files = {}
+    for entry in os.scandir(folder):
+        if entry.is_symlink():
+            raise ValueError(f"{folder}: {entry.name!r} is a symlink; a model folder holds regular files only")
+        if entry.name not in FOLDER_FILES or not entry.is_file(follow_symlinks=False):
+            raise ValueError(f"{folder}: unexpected {entry.name!r}; a model folder holds only {list(FOLDER_FILES)}")
+        files[entry.name] = Path(entry.path)
+    for required in (CONFIG_NAME, WEIGHTS_NAME):
+        if required not in files:
+            raise FileNotFoundError(f"not a saved probformer model: {folder / required} is missing")
+    return files
+
+
+def load_files(files: dict[str, Path], kind: str | None = None) -> nn.Module:
+    """The model stored in ``files`` (``{"config.json": path, "model.safetensors": path,
+    optional "vocabulary.json", "tokenizer.json"}``), in eval mode on the CPU, every check
+    of the module docstring made; ``kind``: refuse any other kind."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_path, where = files[CONFIG_NAME], files[WEIGHTS_NAME]
+    meta = read_json(config_path)
+    check_record(meta, TORCH_FORMAT, config_path)
+    if kind is not None and meta["model"] != kind:
+        raise ValueError(
+            f"{config_path}: holds a {meta['model']!r} model, not a {kind!r}; "
+            "probformer.models.pretrained.from_pretrained reads any kind"
+        )
+    needed = least_bytes(build_model(meta, config_path))
+    if needed > where.stat().st_size:  # refused before the model is allocated
+        raise ValueError(f"{config_path}: the config needs at least {needed} bytes of weights, {where} has fewer")
+    model = build_model(meta, config_path, device="cpu")
+    try:
+        if where.stat().st_size > LIMITS["safetensors"]:
+            raise ValueError(f"{where}: larger than {LIMITS['safetensors']} bytes")
+        weights = load_file(str(where))  # memory-mapped
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{where} is not a readable safetensors file: {error}") from None
+    dtype = registry.check_weights({k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}, model, where, True)
+    check_finite(weights, where)
+    if dtype is not None:
+        model.to(dtype)  # a model saved in bf16 loads in bf16
+    expected = model.state_dict(keep_vars=True)
+    by_tensor = {id(expected[name]): tensor for name, tensor in weights.items()}
+    model.load_state_dict({name: by_tensor[id(t)] for name, t in expected.items()})  # aliases take their twin
+    _check_vocabulary(files, model)
+    return model
+
+
+def _check_vocabulary(files: dict[str, Path], model) -> None:
+    if "vocabulary.json" in files:
+        words = read_json(files["vocabulary.json"])
+        if not (isinstance(words, list) and all(isinstance(w, str) for w in words)):
+            raise ValueError(f"{files['vocabulary.json']}: a vocabulary is a JSON list of strings")
+        if len(words) != model.config.vocab_size:
+            raise ValueError(
+                f"{files['vocabulary.json']}: {len(words)} words, but vocab_size is {model.config.vocab_size}"
+            )
+    if "tokenizer.json" in files and not isinstance(read_json(files["tokenizer.json"]), dict):
+        raise ValueError(f"{files['tokenizer.json']}: a tokenizer file is a JSON object")
+
+
+def from_pretrained(
+    pretrained_model_name_or_path,
+    kind: str | None = None,
+    *,
+    map_location="cpu",
+    revision: str | None = None,
+    cache_dir=None,
+    local_files_only: bool = False,
+    token=None,
+) -> nn.Module:
+    """The model that ``save_pretrained`` (or ``probformer.export(..., format="torch")``)
+    wrote, as its trainable class in eval mode on ``map_location``. The argument is a
+    folder; if no such path exists and it reads ``owner/name``, the hub repo's four
+    allowed files are fetched with ``huggingface_hub`` (``revision``, ``cache_dir``,
+    ``local_files_only``, ``token`` as there) and read the same way. ``kind``: refuse a
+    folder holding another kind. ``ValueError`` for anything that is not exactly what
+    probformer writes, ``FileNotFoundError`` when nothing is there."""
+    path = Path(pretrained_model_name_or_path)
+    try:
+        if path.is_dir():
+            files = folder_files(path)
+        elif path.exists():
+            raise ValueError(f"{path} is a file; from_pretrained takes the folder that save_pretrained wrote")
+        elif HUB_REPO.fullmatch(str(pretrained_model_name_or_path)):
+            hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only, "token": token}
+            files = _hub_files(str(pretrained_model_name_or_path), hub)
+        else:
+            raise FileNotFoundError(f"no saved model at {path}")
+        return load_files(files, kind).to(map_location)
+    except FileNotFoundError:
+        raise
+    except OSError as error:  # unreadable: permissions, a file removed while loading
+        raise ValueError(f"{path}: cannot be read: {error}") from None
+
+
+def _hub_files(repo_id: str, options: dict) -> dict[str, Path]:
+    """The repo's allowed files from the hub cache (downloaded unless ``local_files_only``),
+    each resolved to its real file: the cache's snapshot folder is made of symlinks."""
+    try:
+        import huggingface_hub
+        from huggingface_hub.errors import EntryNotFoundError
+    except ImportError:
+        raise FileNotFoundError(
+            f"no folder {repo_id!r}; reading a hub repo needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
+    files = {}
+    for name in FOLDER_FILES:
+        try:
+            files[name] = Path(huggingface_hub.hf_hub_download(repo_id, name, **options)).resolve(strict=True)
+        except EntryNotFoundError as error:  # locally (not in the cache) or on the hub
+            if name in (CONFIG_NAME, WEIGHTS_NAME):
+                raise FileNotFoundError(f"hub repo {repo_id!r}: {name} not found: {error}") from None
+        except Exception as error:  # offline, unknown repo, no access: huggingface_hub's own error types
+            raise FileNotFoundError(f"no folder {repo_id!r}, and the hub repo cannot be read: {error}") from None
+    return files
