@@ -52,16 +52,26 @@ class SMCResult:
     resampled: torch.Tensor  # [T, B] bool
 
 
-def _check_weights(log_weights: torch.Tensor) -> None:
-    if torch.isnan(log_weights).any():
-        raise ValueError("log-weights contain NaN")
-    if torch.isposinf(log_weights).any():
-        raise ValueError("log-weights contain +inf")
-    dead = torch.isneginf(log_weights).all(-1)
-    if dead.any():
-        raise ValueError(
-            f"every particle has zero weight (all log-weights -inf) in filters {dead.nonzero().flatten().tolist()}"
-        )
+# the three ways log-weights go bad, in the order they are reported
+_BAD_WEIGHTS = (
+    "log-weights contain NaN",
+    "log-weights contain +inf",
+    "every particle has zero weight (all log-weights -inf)",
+)
+
+
+def _bad_weights(log_weights: torch.Tensor) -> torch.Tensor:
+    """``[3, B]`` per filter: NaN, +inf, every particle at -inf. Device-side: no sync."""
+    return torch.stack([log_weights.isnan().any(-1), log_weights.isposinf().any(-1), log_weights.isneginf().all(-1)])
+
+
+def _raise_bad_weights(first_bad: torch.Tensor, never: int) -> None:
+    """One host read at the end of a run: the first step and filters where weights went bad."""
+    steps = first_bad.amin(-1).tolist()
+    for kind, step in zip(_BAD_WEIGHTS, steps):
+        if step < never:
+            filters = (first_bad[_BAD_WEIGHTS.index(kind)] < never).nonzero().flatten().tolist()
+            raise ValueError(f"{kind}: first at step {step}, in filters {filters}")
 
 
 def _is_real(value) -> bool:
@@ -80,22 +90,21 @@ def resample_indices(weights: torch.Tensor, method: str, generator: torch.Genera
     if method == "multinomial":
         return torch.multinomial(weights, N, replacement=True, generator=generator)
     if method == "residual":
+        # floor(N w_j) deterministic copies of j fill the first D = sum_j copies_j slots (the
+        # histogram-and-cumsum of the systematic resampler); the other N - D slots are drawn
+        # from the residuals. N draws per filter are taken and the first N - D used: the number
+        # differs per filter, and a fixed shape keeps it one batched call (no host sync).
         copies = torch.floor(N * weights)
-        remaining = (N - copies.sum(-1)).long()  # [B]
-        deterministic = torch.repeat_interleave(
-            torch.arange(N, device=device).expand(B, N).reshape(-1), copies.long().reshape(-1)
-        )
+        filled = copies.cumsum(-1)  # [B, N]
+        slots = torch.arange(N, device=device, dtype=dtype).expand(B, N)
+        deterministic = torch.searchsorted(filled.contiguous(), slots.contiguous(), right=True).clamp(max=N - 1)
         residual = (N * weights - copies).clamp(min=0)
-        ancestors = torch.empty(B, N, dtype=torch.long, device=device)
-        starts = torch.cat([copies.new_zeros(1), copies.sum(-1).cumsum(0)]).long().tolist()
-        for b in range(B):  # the residual draw size differs per filter
-            fixed = deterministic[starts[b] : starts[b + 1]]
-            extra = int(remaining[b])
-            if extra:
-                drawn = torch.multinomial(residual[b] / residual[b].sum(), extra, replacement=True, generator=generator)
-                fixed = torch.cat([fixed, drawn])
-            ancestors[b] = fixed
-        return ancestors
+        total = residual.sum(-1, keepdim=True)
+        residual = torch.where(total > 0, residual, 1.0)  # no residual slot to fill: any valid row
+        drawn = torch.multinomial(residual, N, replacement=True, generator=generator)
+        used = filled[:, -1:]  # [B, 1] D
+        from_residual = (slots - used).clamp(min=0).long()
+        return torch.where(slots < used, deterministic, drawn.gather(1, from_residual))
     cumulative = weights.cumsum(-1)
     cumulative[:, -1] = 1.0  # guard against rounding below the last position
     if method == "systematic":
@@ -148,6 +157,8 @@ class SMC:
         relaxation: None (hard resampling), "gumbel-softmax" or "straight-through".
         temperature: tau of the relaxations.
         generator: a ``torch.Generator`` for reproducible runs.
+        validate: after a run, raise if any log-weight went NaN, +inf or all -inf (one
+            host read per run; False: none, the caller checks ``log_evidence``).
     """
 
     def __init__(
@@ -158,6 +169,7 @@ class SMC:
         relaxation: str | None = None,
         temperature: float = 1.0,
         generator: torch.Generator | None = None,
+        validate: bool = True,
     ):
         _check_count("num_particles", num_particles, 1, MAX_PARTICLES)
         if not isinstance(resample, str) or resample not in RESAMPLERS:
@@ -173,6 +185,9 @@ class SMC:
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.num_particles, self.resample, self.ess_threshold = num_particles, resample, ess_threshold
         self.relaxation, self.temperature, self.generator = relaxation, temperature, generator
+        if not isinstance(validate, bool):
+            raise ValueError(f"validate must be True or False, got {validate!r}")
+        self.validate = validate
 
     # ---- the core loop ----------------------------------------------------------------
 
@@ -213,15 +228,21 @@ class SMC:
         log_evidence = torch.zeros(B, device=device, dtype=dtype)
         history = {"ess": [], "ancestors": [], "resampled": []}
         identity = torch.arange(N, device=device).expand(B, N)
+        # bad weights are recorded on the device and reported after the loop (one host read
+        # per run, none per step); a bad filter continues on uniform weights meanwhile, so
+        # nothing downstream (the resamplers) sees a NaN
+        never = num_steps
+        first_bad = torch.full((len(_BAD_WEIGHTS), B), never, device=device, dtype=torch.long)
         for t in range(num_steps):
             particles, increment = step(t, particles)
             if increment.shape != (B, N):
                 raise ValueError(
                     f"step must return log-incremental weights [B, N] = {(B, N)}, got {tuple(increment.shape)}"
                 )
-            _check_weights(increment)
             joint = log_weights + increment
-            _check_weights(joint)
+            bad = _bad_weights(increment) | _bad_weights(joint)
+            first_bad = torch.where(bad, first_bad.clamp(max=t), first_bad)
+            joint = torch.where(bad.any(0)[:, None], log_weights.new_zeros(()), joint)
             step_evidence = joint.logsumexp(-1)  # log sum_i W_i exp(inc_i) (W normalised)
             log_evidence = log_evidence + step_evidence
             log_weights = joint - step_evidence[:, None]
@@ -230,12 +251,16 @@ class SMC:
             if self.ess_threshold >= 1:
                 resampled = torch.ones_like(resampled)
             ancestors = identity
-            if resampled.any():
+            if self.ess_threshold > 0:  # decided in Python: "never" skips the work, nothing else branches
                 particles, ancestors = self._resample(particles, log_weights, resampled)
                 log_weights = torch.where(resampled[:, None], -math.log(N), log_weights)
             history["ess"].append(ess.detach())
             history["ancestors"].append(ancestors)
             history["resampled"].append(resampled)
+        if self.validate:
+            _raise_bad_weights(first_bad, never)
+        # unvalidated: a filter whose weights went bad reports log-evidence NaN, never a number
+        log_evidence = torch.where(first_bad.amin(0) < never, math.nan, log_evidence)
         empty = torch.zeros(0, B, device=device)
         return SMCResult(
             log_evidence=log_evidence,

@@ -347,3 +347,72 @@ def test_compiled_filter_equals_eager_under_a_fixed_generator():
     (eager_z, eager_x), (compiled_z, compiled_x) = run(11), compiled(11)
     torch.testing.assert_close(compiled_z, eager_z)
     torch.testing.assert_close(compiled_x, eager_x)
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on every operator that reads a tensor's value on the host (.item(), bool(),
+    .tolist() of a device tensor): on CUDA each is a synchronisation."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            raise AssertionError(f"host synchronisation: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", RESAMPLERS)
+def test_filter_reads_nothing_on_the_host_per_step(method, monkeypatch):
+    """Issue 19: no host sync in a filter step. With validate=False a run reads nothing on
+    the host; with validate=True it reads once, after the last step."""
+    g = torch.Generator().manual_seed(0)
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(self.shape)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+
+    def init(B):
+        return torch.randn(B, 16, generator=g)
+
+    def step(t, x):
+        x = 0.9 * x + torch.randn(x.shape, generator=g)
+        return x, -0.5 * (x - 1.0) ** 2
+
+    with _NoHostSync():
+        result = SMC(16, resample=method, ess_threshold=0.9, generator=g, validate=False).filter(init, step, 6, 3)
+    assert reads == [] and bool(result.resampled.any())  # it did resample (read outside the mode)
+    with _NoHostSync():
+        SMC(16, resample=method, ess_threshold=0.9, generator=g).filter(init, step, 6, 3)
+    assert len(reads) == 1
+
+
+def test_unvalidated_bad_filter_reports_nan_evidence_and_the_others_are_untouched():
+    """A filter whose weights go NaN gets log-evidence NaN (never a number); the other
+    filters of the batch equal a run without it."""
+
+    def run(poison):
+        g = torch.Generator().manual_seed(0)
+
+        def step(t, x):
+            increment = -0.5 * x**2
+            if poison and t == 2:
+                increment = increment.clone()
+                increment[1, 3] = math.nan
+            return x + torch.randn(x.shape, generator=g), increment
+
+        return SMC(8, generator=g, validate=False).filter(lambda B: torch.randn(B, 8, generator=g), step, 5, 3)
+
+    clean, poisoned = run(False), run(True)
+    assert torch.isnan(poisoned.log_evidence[1]) and not torch.isnan(clean.log_evidence).any()
+    torch.testing.assert_close(poisoned.log_evidence[[0, 2]], clean.log_evidence[[0, 2]])
+
+    def poisoned_step(t, x):
+        increment = torch.zeros(3, 8)
+        if t == 2:
+            increment[1, 3] = math.nan
+        return x, increment
+
+    with pytest.raises(ValueError, match=r"NaN: first at step 2, in filters \[1\]"):
+        SMC(8).filter(lambda B: torch.zeros(B, 8), poisoned_step, 4, 3)
