@@ -32,7 +32,6 @@ __all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "windows",
 
 TASKS = ("mlm", "pos", "uas")
 SPLITS = ("train", "valid", "test", "all")
-HELD_OUT = 20  # a text source validates on its last 1/20 of lines (as corpus.prepare_corpus splits it)
 
 
 def load_any(path):
@@ -63,17 +62,15 @@ def read_split(source: str, split: str | None = None) -> tuple[list, str]:
             return data.ptb_sentences(split), split
         return data.read_conllu(data.ewt_path("dev" if split == "valid" else split)), split
     split = split or "all"
-    if split == "test":
+    if split == "all":
+        return [line.split() for line in data.text_lines(source)], split
+    splits = data.text_splits(source)  # the trainer's splits (an hf: dataset's own, when it has them)
+    if split not in splits:
         raise ValueError(
             f"--data {source}: a text file or folder has no test split (its splits are train, valid = the last "
             f"5% of lines, as in training, and all); pass the test text as its own file with --split all"
         )
-    lines = data.text_lines(source)
-    if split != "all" and len(lines) < 2:
-        raise ValueError(f"--data {source} needs at least 2 lines for --split {split} (train and valid)")
-    held_out = max(1, len(lines) // HELD_OUT)
-    chosen = {"all": lines, "train": lines[:-held_out], "valid": lines[-held_out:]}[split]
-    return [line.split() for line in chosen], split
+    return [line.split() for line in splits[split]], split
 
 
 def windows(ids: list, max_length: int) -> list[list]:
