@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from probformer.training import data, hf_data
+from probformer.training.evaluate import read_split
 from probformer.training.trainer import train
 
 datasets = pytest.importorskip("datasets")  # the optional extra probformer[hf]
@@ -38,6 +39,8 @@ def test_a_saved_dataset_dict_gives_its_own_splits(tmp_path):
     }
     assert data.text_splits(f"hf:{saved}") == expected  # stripped, empty lines left out
     assert data.text_lines(f"hf:{saved}") == expected["train"] + expected["valid"] + expected["test"]
+    for split in ("train", "valid", "test"):  # evaluate --split reads the same splits as training
+        assert read_split(f"hf:{saved}", split) == ([line.split() for line in expected[split]], split)
 
 
 def test_a_single_dataset_holds_out_its_last_twentieth_and_finds_its_text_column(tmp_path):
