@@ -1,8 +1,21 @@
-"""Diagnostics: ESS, Pareto-k (ArviZ), representation diversity (``metrics``), a model
-report (``report``) and its figures (``plots``)."""
+"""Diagnostics: ESS, Pareto-k (ArviZ), representation diversity (``metrics``), the
+per-sentence measures of a model's trace (``measures``), a model report as ArviZ
+InferenceData (``report``), its figures and Markdown page (``plots``, ``page``) and the
+per-layer probe the trainer logs (``probe``)."""
 
 from probformer.diagnostics.metrics import MIN_PSIS_DRAWS, Diversity, ParetoK, diversity, ess, pareto_k
 from probformer.diagnostics.plots import plot_report
-from probformer.diagnostics.report import report
+from probformer.diagnostics.report import describe, layer_means, report
 
-__all__ = ["MIN_PSIS_DRAWS", "ess", "pareto_k", "ParetoK", "diversity", "Diversity", "report", "plot_report"]
+__all__ = [
+    "MIN_PSIS_DRAWS",
+    "ess",
+    "pareto_k",
+    "ParetoK",
+    "diversity",
+    "Diversity",
+    "report",
+    "plot_report",
+    "describe",
+    "layer_means",
+]

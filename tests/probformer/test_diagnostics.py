@@ -245,8 +245,15 @@ def test_diversity_bad_input():
 # ---- report, plots, CLI ----------------------------------------------------------------
 
 
+def sentence_mean(report, name):
+    """A variable averaged over the sentences (chain and draw), NaN ignored."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN slices stay NaN
+        return np.nanmean(report["sample_stats"][name].values, axis=(0, 1))
+
+
 @pytest.mark.parametrize("kind", ["pt", "particle"])
-def test_report_has_every_group_and_plots_are_written(kind, tmp_path):
+def test_report_has_every_variable_and_plots_are_written(kind, tmp_path):
     import probformer as pf
 
     torch.manual_seed(0)
@@ -258,18 +265,67 @@ def test_report_has_every_group_and_plots_are_written(kind, tmp_path):
     mask = torch.ones(3, 24, dtype=torch.bool)
     mask[2, 20:] = False
     report = diagnostics.report(model, tokens, mask)
-    assert report["ess"]["columns"].shape == (3, 2) and report["ess"]["rows"].shape == (3, 2)
-    assert report["pareto_k"]["attention_mass"].shape == (3, 2)
-    assert set(report["diversity"].data_vars) == {"cosine", "effective_rank", "rank_one_distance"}
-    assert ("elbo" in report.groups()) == (kind == "pt")
-    assert ("log_weights" in report["pareto_k"]) == (kind == "particle")
-    values = report["ess"]["columns"].values
+    assert report.groups() == ["sample_stats", "constant_data"]
+    stats = report["sample_stats"]
+    depth, width = ("iteration", "channel") if kind == "pt" else ("layer", "head")
+    assert (stats.attrs["depth_dim"], stats.attrs["width_dim"]) == (depth, width)
+    assert stats["received_ess"].dims == ("chain", "draw", depth, width)
+    assert stats["received_ess"].shape == stats["query_ess"].shape == (1, 3, 3, 2)
+    assert stats["attention_received"].dims == ("chain", "draw", depth, width, "token")
+    assert stats["cosine"].dims == ("chain", "draw", depth)
+    assert stats["draw"].values.tolist() == [0, 1, 2] and stats[depth].values.tolist() == [0, 1, 2]
+    assert report["constant_data"]["mask"].values.tolist() == mask.int().tolist()
+    assert ("elbo" in stats) == (kind == "pt")
+    assert ("smc_log_weights" in stats) == (kind == "particle")
+    if kind == "particle":
+        assert stats["smc_log_weights"].dims == ("chain", "draw", "layer", "particle")
+        assert np.isnan(stats["smc_log_weights"].values[0, 2, :, 20:]).all()  # padding is no particle
+    for name, array in stats.data_vars.items():  # every variable says what it is and in what units
+        assert array.attrs["long_name"] and array.attrs["units"], name
+    values = stats["received_ess"].values
     assert np.all((values > 0) & (values <= 1 + 1e-9))
     paths = diagnostics.plot_report(report, tmp_path)
-    assert len(paths) == (4 if kind == "pt" else 3)
-    for path in paths:
-        assert (tmp_path / path.split("/")[-1]).stat().st_size > 1000
-    report.to_netcdf(str(tmp_path / "report.nc"))
+    names = [path.split("/")[-1] for path in paths]
+    figures = ["ess.png", "pareto_k.png", "diversity.png"] + (["elbo.png"] if kind == "pt" else [])
+    assert names == [*figures, "report.md"]
+    for name in names[:-1]:
+        assert (tmp_path / name).stat().st_size > 1000
+    page = (tmp_path / "report.md").read_text()
+    assert all(f"]({name})" in page for name in names[:-1])  # every figure shown, with its paragraph
+    assert page.count("\n## ") == len(names) - 1
+
+
+def test_the_written_report_is_read_by_arviz(tmp_path, monkeypatch):
+    """Acceptance (issue 20): report.nc opens in ArviZ; az.summary, az.plot_khat and
+    az.plot_ess run on it, with the report's own dim names."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import arviz as az
+    import matplotlib.pyplot as plt
+
+    model = build("particle")
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 30, (6, 24))
+    diagnostics.report(model, tokens).to_netcdf(str(tmp_path / "report.nc"))
+    report = az.from_netcdf(str(tmp_path / "report.nc"))
+    assert report["sample_stats"]["received_pareto_k"].dims == ("chain", "draw", "layer", "head")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # one chain: ArviZ notes that r_hat needs two
+        table = az.summary(report, group="sample_stats", var_names=["received_ess", "cosine", "smc_ess"])
+    assert "received_ess[0, 1]" in table.index and "cosine[2]" in table.index
+    mean = report["sample_stats"]["received_ess"].values[0, :, 0, 1].mean()  # layer 0, head 1: over sentences
+    assert table.loc["received_ess[0, 1]", "mean"] == pytest.approx(mean, abs=1e-3)  # az.summary rounds
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # ArviZ prefers ELPDData; a DataArray is supported
+        warnings.simplefilter("ignore", matplotlib.MatplotlibDeprecationWarning)  # inside ArviZ's backend
+        axes = az.plot_khat(report["sample_stats"]["received_pareto_k"], threshold=0.7)
+        assert len(axes.collections[0].get_offsets()) == 6 * 3 * 2  # a k-hat per sentence, layer and head
+        plt.close("all")
+        axes = az.plot_ess(report["sample_stats"], var_names=["cosine"], kind="local")
+        assert np.size(axes) == 3  # one panel per layer
+        plt.close("all")
 
 
 def build(kind: str, vocab: int = 30):
@@ -287,13 +343,15 @@ def build(kind: str, vocab: int = 30):
     }[kind]()
 
 
-# what each kind's trace offers, hence its report's groups and variables (report.py's table)
+# what each kind's trace offers, hence its report's variables (report.py's table)
+ATTENTION = {"query_ess", "received_ess", "received_pareto_k", "attention_received"}
+DIVERSITY = {"cosine", "effective_rank", "rank_one_distance"}
 OFFERED = {
-    "pt": {"ess": {"rows", "columns"}, "pareto_k": {"attention_mass"}, "elbo": {"elbo"}},
-    "particle": {"ess": {"rows", "columns", "log_weights"}, "pareto_k": {"attention_mass", "log_weights"}},
-    "transformer": {"ess": {"rows", "columns"}, "pareto_k": {"attention_mass"}},
-    "swarm": {"routing": {"cluster_ess"}},
-    "folded": {},
+    "pt": ATTENTION | {"elbo"},
+    "particle": ATTENTION | {"smc_ess", "smc_pareto_k", "smc_log_weights"},
+    "transformer": ATTENTION,
+    "swarm": {"cluster_ess", "cluster_tokens"},
+    "folded": set(),
 }
 CASES = {
     "length 1": (torch.tensor([[3], [7]]), None),
@@ -310,30 +368,37 @@ def test_report_works_on_every_kind_length_one_and_padding(kind, case, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to measure is NaN, silently and by design
         report = diagnostics.report(model, tokens, mask)
-    expected = {"diversity": {"cosine", "effective_rank", "rank_one_distance"}} | OFFERED[kind]
-    assert {g: set(report[g].data_vars) for g in report.groups()} == expected
-    layers = report["diversity"].sizes["layer"]
+    stats = report["sample_stats"]
+    assert set(stats.data_vars) == DIVERSITY | OFFERED[kind]
+    depth = "iteration" if kind == "pt" else "layer"
+    layers = stats.sizes[depth]
     assert layers == {"pt": 5, "particle": 3, "transformer": 2, "swarm": 3, "folded": 1}[kind]
+    assert stats.sizes["draw"] == tokens.shape[0]
+    for name, array in stats.data_vars.items():  # one name per axis in every variable
+        assert array.dims[:3] == ("chain", "draw", "iteration" if name == "elbo" else depth), name
+        assert not {"layer", "iteration"} <= set(array.dims) and not {"head", "channel"} <= set(array.dims)
     if case == "length 1":  # one token: it is all its sentence's diversity, and all its own attention
-        assert report["diversity"]["effective_rank"].values == pytest.approx([1.0] * layers)
-        assert report["diversity"]["cosine"].values == pytest.approx([1.0] * layers)
+        assert sentence_mean(report, "effective_rank") == pytest.approx([1.0] * layers)
+        assert sentence_mean(report, "cosine") == pytest.approx([1.0] * layers)
         if kind in ("particle", "transformer"):  # its only key is itself: ESS 1 of 1
-            assert report["ess"]["rows"].values == pytest.approx(np.ones((layers, 2)))
-            assert report["ess"]["columns"].values == pytest.approx(np.ones((layers, 2)))
+            assert stats["query_ess"].values == pytest.approx(np.ones((1, 2, layers, 2)))
+            assert stats["received_ess"].values == pytest.approx(np.ones((1, 2, layers, 2)))
         if kind == "pt":  # the full topology gives a lone token no head: nothing to measure
-            assert np.isnan(report["ess"]["rows"].values).all() and np.isnan(report["ess"]["columns"].values).all()
-    elif "ess" in report.groups():
-        for name in ("rows", "columns"):
-            values = report["ess"][name].values
+            assert np.isnan(stats["query_ess"].values).all() and np.isnan(stats["received_ess"].values).all()
+    elif "received_ess" in stats:
+        for name in ("query_ess", "received_ess"):
+            values = stats[name].values
             assert np.all((values > 0) & (values <= 1 + 1e-9)), (name, values)
     paths = diagnostics.plot_report(report, tmp_path)
-    assert {p.split("/")[-1] for p in paths} == {"diversity.png"} | {
+    assert {p.split("/")[-1] for p in paths} == {"diversity.png", "report.md"} | {
         "pt": {"ess.png", "pareto_k.png", "elbo.png"},
         "particle": {"ess.png", "pareto_k.png"},
         "transformer": {"ess.png", "pareto_k.png"},
         "swarm": {"routing.png"},
         "folded": set(),
     }[kind]
+    table = diagnostics.describe(report).splitlines()
+    assert table[0].split()[0] == depth and len(table) == layers + 1 + (kind == "pt")
 
 
 @pytest.mark.parametrize("kind", ["pt", "transformer", "swarm", "folded"])
@@ -341,13 +406,15 @@ def test_padding_does_not_change_the_report(kind):
     """A sentence alone and the same sentence padded: the same numbers."""
     model = build(kind)
     sentence = torch.tensor([[4, 9, 2, 7, 1]])
-    alone = diagnostics.report(model, sentence)
+    alone = diagnostics.report(model, sentence)["sample_stats"]
     padded = diagnostics.report(
         model, torch.cat([sentence, torch.zeros(1, 3, dtype=torch.long)], 1), torch.arange(8)[None] < 5
-    )
-    for group in alone.groups():
-        for name in alone[group].data_vars:
-            np.testing.assert_allclose(padded[group][name].values, alone[group][name].values, rtol=1e-5, atol=1e-6)
+    )["sample_stats"]
+    for name, array in alone.data_vars.items():
+        cut = padded[name].isel(token=slice(0, 5)) if "token" in array.dims else padded[name]
+        np.testing.assert_allclose(cut.values, array.values, rtol=1e-5, atol=1e-6)
+        if "token" in array.dims:
+            assert np.isnan(padded[name].isel(token=slice(5, None)).values).all()  # padding measures nothing
 
 
 @pytest.mark.parametrize("universal", [False, True])
@@ -396,27 +463,30 @@ def test_report_numbers_equal_a_hand_computation():
         "routing": [{"assignment": assignment}],
     }
     report = diagnostics.report(HandMade(trace), torch.zeros(2, 3, dtype=torch.long), mask)
+    stats = report["sample_stats"]
 
     def by_hand(weights):
         return sum(weights) ** 2 / sum(w * w for w in weights)
 
     lengths = [3, 2]
-    rows, columns = np.zeros(2), np.zeros(2)
     for head in range(2):
-        per_sentence_rows, per_sentence_columns = [], []
         for b, n in enumerate(lengths):
             a = attention[0, b, head, :n, :n].tolist()
             measured = [by_hand(row) / n for row in a if sum(row) > 0]
-            per_sentence_rows.append(sum(measured) / len(measured))
-            per_sentence_columns.append(by_hand([sum(a[i][j] for i in range(n)) for j in range(n)]) / n)
-        rows[head], columns[head] = np.mean(per_sentence_rows), np.mean(per_sentence_columns)
-    np.testing.assert_allclose(report["ess"]["rows"].values[0], rows, rtol=1e-12)
-    np.testing.assert_allclose(report["ess"]["columns"].values[0], columns, rtol=1e-12)
+            assert stats["query_ess"].values[0, b, 0, head] == pytest.approx(sum(measured) / len(measured), rel=1e-12)
+            received = [sum(a[i][j] for i in range(n)) for j in range(n)]
+            assert stats["received_ess"].values[0, b, 0, head] == pytest.approx(by_hand(received) / n, rel=1e-12)
+            assert stats["attention_received"].values[0, b, 0, head, :n].tolist() == pytest.approx(received)
+    assert np.isnan(stats["attention_received"].values[0, 1, 0, :, 2]).all()  # padding
     # SMC weights: sentence 0 is (1, 1, 2) -> ESS 16 / 6 of 3; sentence 1 keeps its real (1e30, 0): ESS 1 of 2
-    assert report["ess"]["log_weights"].values[0] == pytest.approx(((16 / 6) / 3 + 1 / 2) / 2, rel=1e-12)
-    assert report["elbo"]["elbo"].values.tolist() == [-4.0, -3.0]
+    assert stats["smc_ess"].values[0, :, 0].tolist() == pytest.approx([(16 / 6) / 3, 1 / 2], rel=1e-12)
+    assert stats["elbo"].values[0].tolist() == [[-3.0, -2.0], [-5.0, -4.0]]  # [sentence, iteration]
     # clusters hold (2, 1) real tokens in sentence 0 and (2, 0) in sentence 1 (its third token is padding)
-    assert report["routing"]["cluster_ess"].values[0] == pytest.approx((by_hand([2, 1]) / 2 + 1 / 2) / 2)
+    assert stats["cluster_tokens"].values[0, :, 0].tolist() == [[2.0, 1.0], [2.0, 0.0]]
+    assert stats["cluster_ess"].values[0, :, 0].tolist() == pytest.approx([by_hand([2, 1]) / 2, 1 / 2])
+    means = diagnostics.layer_means(report)  # the table's numbers: means over sentences and heads
+    assert means["cluster_ess"][0] == pytest.approx((by_hand([2, 1]) / 2 + 1 / 2) / 2)
+    assert diagnostics.describe(report).splitlines()[-1] == "ELBO per iteration (nats per sentence): -4.00 -3.00"
 
 
 def test_report_needs_the_protocol():
