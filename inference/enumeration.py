@@ -10,6 +10,7 @@ this for a function; a ``graphs.CRF`` declaration has its own float64 eliminatio
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -24,7 +25,10 @@ def _traces(function, args, kwargs, max_configurations: int):
 
     enumerated = config_enumerate(function, "parallel")
     elbo = TraceEnum_ELBO(max_plate_nesting=math.inf)
-    model_trace, guide_trace = next(elbo._get_traces(enumerated, _empty_guide, args, kwargs))
+    with warnings.catch_warnings():  # a continuous latent site is refused by name just below
+        warnings.filterwarnings("ignore", "Found vars in model but not guide", UserWarning)
+        warnings.filterwarnings("ignore", "TraceEnum_ELBO found no sample sites configured", UserWarning)
+        model_trace, guide_trace = next(elbo._get_traces(enumerated, _empty_guide, args, kwargs))
     sites = [s for s in model_trace.nodes.values() if s["type"] == "sample"]
     for site in sites:
         if not site["is_observed"] and site["infer"].get("_enumerate_dim") is None:

@@ -1,3 +1,8 @@
+import itertools
+import math
+
+import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from hypothesis import given, settings
@@ -94,3 +99,100 @@ def test_refuses_a_plan_whose_largest_bucket_is_too_large_before_computing():
     crf = graphs.CRF(vocab_size=5, labels=4, channels=1)
     with pytest.raises(ValueError, match=r"factor of \d+ entries per sentence, above the limit"):
         inference.Exact(crf, max_configurations=2**40).log_partition(torch.zeros(1, 12, dtype=torch.long))
+
+
+# ---- any enumerable Pyro function (issue 18) ------------------------------------------
+
+
+def hmm_case(seed=0, T=4, d=3, V=5, B=2):
+    gen = torch.Generator().manual_seed(seed)
+    init = torch.randn(d, generator=gen).softmax(-1)
+    trans = torch.randn(d, d, generator=gen).softmax(-1)
+    emit = torch.randn(d, V, generator=gen).softmax(-1)
+    data = torch.randint(0, V, (B, T), generator=gen)
+
+    def hmm(data):
+        with pyro.plate("sequences", data.shape[0], dim=-1):
+            x = None
+            for t in pyro.markov(range(data.shape[1])):
+                x = pyro.sample(f"x_{t}", dist.Categorical(init if x is None else trans[x]))
+                pyro.sample(f"y_{t}", dist.Categorical(emit[x]), obs=data[:, t])
+
+    return hmm, data, (init, trans, emit)
+
+
+def test_exact_of_a_raw_pyro_hmm_equals_the_sum_over_every_path():
+    hmm, data, (init, trans, emit) = hmm_case()
+    B, T = data.shape
+    d = init.shape[0]
+    exact = inference.Exact(hmm)
+    log_z, marginals = exact.log_partition(data), exact.marginals(data)
+    assert log_z.shape == (B,) and log_z.dtype == torch.float64
+    for b in range(B):
+        weights, paths = [], list(itertools.product(range(d), repeat=T))
+        for x in paths:
+            p = init[x[0]].double() * emit[x[0], data[b, 0]]
+            for t in range(1, T):
+                p = p * trans[x[t - 1], x[t]] * emit[x[t], data[b, t]]
+            weights.append(p)
+        weights = torch.stack(weights)
+        assert log_z[b].item() == pytest.approx(weights.sum().log().item(), abs=1e-6)
+        for t in range(T):
+            expected = torch.zeros(d, dtype=torch.float64).index_add_(0, torch.tensor([x[t] for x in paths]), weights)
+            torch.testing.assert_close(marginals[f"x_{t}"][b].double(), expected / expected.sum(), atol=1e-5, rtol=0)
+    assert set(marginals) == {f"x_{t}" for t in range(T)}
+
+
+def test_exact_of_a_function_with_nested_plates_multiplies_over_the_inner_plate():
+    """A mixture: per row one cluster c, then M observations all from cluster c. log Z per
+    row = log sum_c p(c) prod_m N(x_m | mu_c, 1)."""
+    weights = torch.tensor([0.2, 0.5, 0.3])
+    means = torch.tensor([-1.0, 0.0, 2.0])
+    data = torch.tensor([[0.1, -0.3, 0.4, 0.0], [2.1, 1.7, 2.5, 1.9]])
+
+    def mixture(data):
+        with pyro.plate("rows", data.shape[0], dim=-2):
+            c = pyro.sample("c", dist.Categorical(weights))
+            with pyro.plate("observations", data.shape[1], dim=-1):
+                pyro.sample("x", dist.Normal(means[c], 1.0), obs=data)
+
+    log_z = inference.Exact(mixture).log_partition(data)
+    normal = torch.distributions.Normal(means.double()[:, None, None], 1.0)
+    expected = (weights.double().log()[:, None] + normal.log_prob(data.double()).sum(-1)).logsumexp(0)
+    torch.testing.assert_close(log_z, expected, atol=1e-5, rtol=0)
+    posterior = inference.Exact(mixture).marginals(data)["c"]
+    torch.testing.assert_close(
+        posterior.reshape(2, 3).double(),
+        (weights.double().log()[:, None] + normal.log_prob(data.double()).sum(-1) - expected).exp().T,
+        atol=1e-5,
+        rtol=0,
+    )
+
+
+def test_exact_of_a_function_without_plate_is_a_scalar():
+    def coin_pair():
+        a = pyro.sample("a", dist.Bernoulli(0.3))
+        b = pyro.sample("b", dist.Bernoulli(0.6))
+        pyro.factor("agree", torch.where(a == b, 1.5, 0.0))
+
+    log_z = inference.Exact(coin_pair).log_partition()
+    expected = math.log(0.3 * 0.6 * math.exp(1.5) + 0.7 * 0.4 * math.exp(1.5) + 0.3 * 0.4 + 0.7 * 0.6)
+    assert log_z.shape == () and log_z.item() == pytest.approx(expected, abs=1e-6)
+    a = inference.Exact(coin_pair).marginals()["a"]
+    on = 0.3 * (0.6 * math.exp(1.5) + 0.4)
+    torch.testing.assert_close(
+        a.double(), torch.tensor([1 - on / math.exp(expected), on / math.exp(expected)]).double()
+    )
+
+
+def test_exact_refuses_what_it_cannot_enumerate():
+    def continuous():
+        pyro.sample("x", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(ValueError, match="site 'x' is latent but not enumerable"):
+        inference.Exact(continuous).log_partition()
+    with pytest.raises(TypeError, match="must be a graphs.CRF or a Pyro function"):
+        inference.Exact(None)
+    hmm, data, _ = hmm_case(T=3)
+    with pytest.raises(ValueError, match=r"site 'x_1' enumerates to 9 .* above max_configurations=4"):
+        inference.Exact(hmm, max_configurations=4).log_partition(data)
