@@ -27,6 +27,9 @@ _HOMES = {
     "Transformer": "probformer.models.baselines",
     "export": "probformer.deploy",
     "load": "probformer.deploy",
+    "save_pretrained": "probformer.models.pretrained",
+    "from_pretrained": "probformer.models.pretrained",
+    "PretrainedMixin": "probformer.models.pretrained",
 }
 _MODULES = ("models", "training", "deploy", "diagnostics", "mup")
 __all__ = sorted(_HOMES) + list(_MODULES)
