@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/particle_transformer.py
 
 1. Cost of a resampling layer relative to one attention block (B = 8, n = 512,
-   d = 256, 8 heads, FFN 1024), forward and forward + backward, interleaved, min of 5.
+   d = 256, 8 heads, FFN 1024), forward and forward + backward, interleaved, min of 5:
+   resampling="mix" (Gumbel straight-through over the attention rows) and "copy"
+   (systematic ancestors and the straight-through-with-baseline estimator).
 2. Eager vs torch.compile of a whole Particle Transformer (eval mode, 4 layers).
 torch.set_num_threads(2).
 """
@@ -40,11 +42,17 @@ def main():
             vocab_size=1000, width=d, heads=8, layers=2, ffn_width=4 * d, max_length=n, dropout=0.0, ess_threshold=1.0
         )
     ).train()
+    copying = ParticleTransformer(
+        ParticleConfig(
+            vocab_size=1000, width=d, heads=8, layers=2, ffn_width=4 * d, max_length=n, dropout=0.0, resampling="copy"
+        )
+    ).train()
     block = model.blocks[0]
     x = torch.randn(B, n, d, requires_grad=True)
     mask = torch.ones(B, n, dtype=torch.bool)
     bias = torch.zeros(B, n)
     attention = torch.rand(B, n, n).softmax(-1)
+    log_weights = torch.randn(B, n, requires_grad=True)
     active = torch.ones(B, dtype=torch.bool)
 
     def block_forward():
@@ -56,24 +64,34 @@ def main():
 
     def resample_forward():
         with torch.no_grad():
-            model.resample(x, attention, mask, active)
+            model.resample_mix(x, attention, mask, active)
 
     def resample_backward():
-        model.resample(x, attention, mask, active).square().mean().backward()
+        model.resample_mix(x, attention, mask, active)[0].square().mean().backward()
+
+    def copy_forward():
+        with torch.no_grad():
+            copying.resample_copy(x, log_weights, mask, active)
+
+    def copy_backward():
+        copying.resample_copy(x, log_weights, mask, active)[0].square().mean().backward()
 
     times = {}
     for _ in range(2):  # interleave
         for name, fn in (
             ("block forward", block_forward),
             ("resampling forward", resample_forward),
+            ("copy forward", copy_forward),
             ("block forward+backward", block_backward),
             ("resampling forward+backward", resample_backward),
+            ("copy forward+backward", copy_backward),
         ):
             times[name] = min(times.get(name, math.inf), best_of(fn, 3))
-    print("| B=8, n=512, d=256 | block (SDPA) s | resampling layer s | ratio |\n|---|---|---|---|")
+    print("| B=8, n=512, d=256 | block (SDPA) s | mix layer s | ratio | copy layer s | ratio |")
+    print("|---|---|---|---|---|---|")
     for phase in ("forward", "forward+backward"):
-        b, r = times[f"block {phase}"], times[f"resampling {phase}"]
-        print(f"| {phase} | {b:.4f} | {r:.4f} | {r / b:.2f} |")
+        b, r, c = times[f"block {phase}"], times[f"resampling {phase}"], times[f"copy {phase}"]
+        print(f"| {phase} | {b:.4f} | {r:.4f} | {r / b:.2f} | {c:.4f} | {c / b:.2f} |")
 
     small = ParticleTransformer(
         ParticleConfig(vocab_size=1000, width=d, heads=8, layers=4, ffn_width=4 * d, max_length=128, dropout=0.0)
