@@ -330,8 +330,9 @@ def report_cases(rng, count: int, workdir: Path) -> list[Case]:
             data = diagnostics.report(tiny_model(kind), tokens, mask)
             # diversity is always there and always measurable; ESS and k-hat may be NaN by
             # design (nothing to measure: no head, too few draws), so only their range is checked
-            found = {name: data["diversity"][name].values for name in ("cosine", "effective_rank", "rank_one_distance")}
-            return found, {k: v.values for k, v in data["ess"].data_vars.items()} if "ess" in data.groups() else {}
+            stats = data["sample_stats"]
+            found = {name: stats[name].values for name in ("cosine", "effective_rank", "rank_one_distance")}
+            return found, {k: stats[k].values for k in ("query_ess", "received_ess", "smc_ess") if k in stats}
 
         def check(out):
             import numpy as np
