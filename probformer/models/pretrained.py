@@ -266,7 +266,8 @@ def from_pretrained(
             files = folder_files(path)
         elif path.exists():
             raise ValueError(f"{path} is a file; from_pretrained takes the folder that save_pretrained wrote")
-        elif HUB_REPO.fullmatch(str(pretrained_model_name_or_path)):
+        elif HUB_REPO.fullmatch(str(pretrained_model_name_or_path)) and not path.parent.is_dir():
+            # "owner/name" with no local folder "owner": a hub repo (a missing "runs/x" stays local)
             hub = {"revision": revision, "cache_dir": cache_dir, "local_files_only": local_files_only, "token": token}
             files = _hub_files(str(pretrained_model_name_or_path), hub)
         else:
@@ -292,9 +293,9 @@ def _hub_files(repo_id: str, options: dict) -> dict[str, Path]:
     for name in FOLDER_FILES:
         try:
             files[name] = Path(huggingface_hub.hf_hub_download(repo_id, name, **options)).resolve(strict=True)
-        except EntryNotFoundError as error:  # locally (not in the cache) or on the hub
+        except EntryNotFoundError as error:  # not in the cache (offline) or not in the repo
             if name in (CONFIG_NAME, WEIGHTS_NAME):
-                raise FileNotFoundError(f"hub repo {repo_id!r}: {name} not found: {error}") from None
-        except Exception as error:  # offline, unknown repo, no access: huggingface_hub's own error types
+                raise FileNotFoundError(f"no folder {repo_id!r}, and the hub repo has no {name}: {error}") from None
+        except Exception as error:  # unknown repo, no access: huggingface_hub's own error types
             raise FileNotFoundError(f"no folder {repo_id!r}, and the hub repo cannot be read: {error}") from None
     return files

@@ -186,9 +186,13 @@ def test_a_hub_repo_is_read_from_the_cache_without_the_network(tmp_path):
 # ---- refusals ------------------------------------------------------------------------------
 
 
-def test_missing_paths_and_files_are_refused(tmp_path):
+def test_missing_paths_and_files_are_refused(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="no saved model"):
         pretrained.from_pretrained(tmp_path / "nothing")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError, match="no saved model at runs/missing"):  # local: "runs" is a folder here
+        pretrained.from_pretrained("runs/missing")
     folder = pretrained.save_pretrained(tiny("transformer"), tmp_path / "saved")
     with pytest.raises(ValueError, match="is a file"):
         pretrained.from_pretrained(folder / "config.json")
