@@ -11,6 +11,12 @@ random-scan sweeps, chains side by side under ``jax.vmap``). Then (h, g) | z is
 drawn exactly as one block per draw, and the h and g marginals are
 Rao-Blackwellised (averages of the exact conditionals). Plain single-site Gibbs
 over (z, h) gets stuck when labels and heads are strongly coupled.
+
+Extra templates (``CRF(factors=[...])``) add to the potential of z: a ``Pairwise`` is
+restated in JAX from its table and arcs; a user ``graphs.Factor`` needs only its
+``log_potential`` of full labellings, called in torch from JAX (``jax.pure_callback``,
+float64, no gradient). ``Gibbs(crf)`` refuses, when it is built, a site of an overridden
+``CRF.model`` that no template made (``inference.declaration``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 
 from inference import arviz_interop
+from inference.declaration import compile_templates
 from inference.posterior import Posterior
 
 __all__ = ["Gibbs", "GibbsResult"]
@@ -57,10 +64,12 @@ class GibbsResult:
 
 
 class Gibbs:
-    """NumPyro Gibbs sampler for a ``graphs.CRF``.
+    """NumPyro Gibbs sampler for a ``graphs.CRF``: ``Gibbs(crf)(tokens, mask)`` gives the
+    ``Posterior`` of the empirical marginals (the call every engine answers);
+    ``sample(tokens, mask)`` gives them with their standard errors, R-hat and the draws.
 
     Args:
-        crf: the CRF.
+        crf: the CRF (every template compiled; see ``inference.declaration``).
         num_samples, num_warmup: draws kept and discarded per chain.
         num_chains: independent chains (vectorised).
         seed: the JAX PRNG seed.
@@ -75,7 +84,10 @@ class Gibbs:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
                 raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
+        if not hasattr(crf, "templates"):
+            raise TypeError(f"crf must be a graphs.CRF, got {type(crf).__name__}")
         self.crf = crf
+        self.templates = compile_templates(crf, "Gibbs")
         self.num_samples, self.num_warmup, self.num_chains, self.seed = (
             num_samples,
             num_warmup,
@@ -93,6 +105,10 @@ class Gibbs:
                 f"{values_per_draw} exceeds the limit {MAX_DRAWN_VALUES} (2**30) stored values: "
                 f"reduce num_samples or num_chains, or sample fewer or shorter sentences"
             )
+
+    def __call__(self, tokens, mask=None) -> Posterior:
+        """The empirical marginals z, h, g (``sample(...).marginals``)."""
+        return self.sample(tokens, mask).marginals
 
     def sample(self, tokens, mask=None) -> GibbsResult:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -130,12 +146,16 @@ class Gibbs:
             glob = binary.T[z[:, :n]] if G else None
             return head, glob
 
+        extra_terms = [_extra_term(factor, tokens, mask, crf.node_mask(mask), unary.dtype) for factor in crf.factors]
+
         def collapsed_log_potential(z):
             head, glob = conditionals(z)
             score = jnp.take_along_axis(unary, z[..., None], -1).sum()
             score += jnp.where(has_head[:, None, :], jax.nn.logsumexp(head, -1), 0.0).sum()
             if G:
                 score += jnp.where(token_mask, jax.nn.logsumexp(glob, -1), 0.0).sum()
+            for term in extra_terms:
+                score += term(z)
             return score
 
         def model():
@@ -204,3 +224,42 @@ class Gibbs:
             rhat=float(max(rhats)) if rhats else float("nan"),
             inference_data=inference_data,
         )
+
+
+def _extra_term(factor, tokens, mask, nodes, dtype):
+    """A function of z ``[B, N]`` (JAX) -> the factor's total log-potential over the batch."""
+    import jax
+    import jax.numpy as jnp
+
+    from graphs.factors import Pairwise
+
+    n = tokens.shape[1]
+    if isinstance(factor, Pairwise):
+        with torch.no_grad():
+            tables = jnp.asarray(factor.tables(n).double().cpu().numpy())  # [n, n, d, d]
+            arcs = jnp.asarray(factor.arcs(mask).cpu().numpy())  # [B, n, n]
+        row, col = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+
+        def pairwise(z):
+            z = z[:, :n]
+            score = tables[row, col, z[:, :, None], z[:, None, :]]  # [B, n, n]
+            return jnp.where(arcs, score, 0.0).sum()
+
+        return pairwise
+
+    keep = nodes.cpu().numpy()
+
+    def in_torch(z):
+        """``z [..., B, N]`` (any leading vmap dims) -> ``[...]`` summed over the batch."""
+        z = torch.from_numpy(np.where(keep, np.asarray(z), 0)).long()
+        lead = z.shape[:-2]
+        flat = z.reshape(-1, z.shape[-1])
+        repeat = flat.shape[0] // tokens.shape[0]
+        with torch.no_grad():
+            value = factor.log_potential(flat, tokens.repeat(repeat, 1), mask.repeat(repeat, 1))
+        return value.double().reshape(*lead, -1).sum(-1).numpy().astype(dtype)
+
+    def user(z):
+        return jax.pure_callback(in_torch, jax.ShapeDtypeStruct((), dtype), z, vmap_method="broadcast_all")
+
+    return user

@@ -81,3 +81,61 @@ def test_gibbs_draws_are_reproducible_under_a_seed():
     a = inference.Gibbs(crf, num_samples=50, num_warmup=10, seed=7).sample(tokens, mask)
     b = inference.Gibbs(crf, num_samples=50, num_warmup=10, seed=7).sample(tokens, mask)
     np.testing.assert_array_equal(a.inference_data.posterior["z"].values, b.inference_data.posterior["z"].values)
+
+
+class SameAsNext(graphs.Factor):
+    """A user factor, written here: weight w per pair of neighbouring real tokens with equal labels."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(float(weight)))
+
+    def log_potential(self, z, tokens, mask):
+        n = tokens.shape[1]
+        same = (z[:, 1:n] == z[:, : n - 1]) & mask[:, 1:]
+        return self.weight * same.to(self.weight.dtype).sum(-1)
+
+
+@pytest.mark.slow  # ~10 s idle: the user factor runs in torch through a JAX callback
+def test_gibbs_compiles_pairwise_and_user_factors_and_agrees_with_exact():
+    torch.manual_seed(6)
+    factors = [graphs.factors.Pairwise(2, "chain()"), SameAsNext(1.5)]
+    crf = graphs.CRF(vocab_size=6, labels=2, channels=1, rank=2, topology="window(1)", factors=factors)
+    with torch.no_grad():
+        crf.factors[0].table.mul_(3.0)  # strong enough that ignoring a factor would show
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        exact = inference.Exact(crf.double()).marginals(tokens, mask)
+    result = inference.Gibbs(crf, num_samples=1500, num_warmup=200, num_chains=4, seed=2).sample(tokens, mask)
+    assert result.rhat < 1.05
+    for name in ("z", "h"):
+        p = getattr(exact, name).detach().double()
+        se = torch.sqrt((p * (1 - p)).clamp(min=0) / getattr(result.effective_sample_size, name)).clamp(min=1e-6)
+        assert ((getattr(result.marginals, name) - p).abs() / se).max() < 4, name
+    # the extra factors matter here: without them the label marginals move far
+    without = graphs.CRF(vocab_size=6, labels=2, channels=1, rank=2, topology="window(1)").double()
+    without.load_state_dict({k: v for k, v in crf.state_dict().items() if not k.startswith("factors.")})
+    with torch.no_grad():
+        assert (inference.Exact(without).marginals(tokens, mask).z - exact.z).abs().max() > 0.1
+
+
+def test_gibbs_refuses_a_raw_factor_site_it_would_ignore():
+    import pyro
+
+    class Extra(graphs.CRF):
+        def model(self, tokens, mask=None):
+            super().model(tokens, mask)
+            pyro.factor("bonus", torch.full((), 2.0))
+
+    crf = Extra(vocab_size=4, labels=2)
+    with pytest.raises(
+        ValueError, match=r"Gibbs cannot compile factor site 'bonus' of Extra.model .*engines that can: Exact"
+    ):
+        inference.Gibbs(crf)
+    plain = graphs.CRF(vocab_size=4, labels=2)
+    plain.load_state_dict(crf.state_dict())
+    tokens = torch.tensor([[1, 2]])
+    with torch.no_grad():  # Exact sums the model itself: it includes the site
+        with_bonus, without = inference.Exact(crf).log_partition(tokens), inference.Exact(plain).log_partition(tokens)
+    assert with_bonus.item() == pytest.approx(without.item() + 2.0, abs=1e-9)
