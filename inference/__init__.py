@@ -11,6 +11,7 @@ are not installed.
 
 import importlib
 
+from inference import factor_messages
 from inference.folding import Folded, FoldState
 from inference.mean_field import MeanField, MessageWeights, MupScales
 from inference.posterior import Posterior
@@ -24,7 +25,7 @@ _LAZY = {
     "mean_field_guide": "inference.svi",
 }
 
-__all__ = ["Posterior", "MeanField", "MessageWeights", "MupScales", "Folded", "FoldState", *_LAZY]
+__all__ = ["Posterior", "factor_messages", "MeanField", "MessageWeights", "MupScales", "Folded", "FoldState", *_LAZY]
 
 
 def __getattr__(name: str):

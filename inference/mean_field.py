@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference import head_kernels
+from inference.factor_messages import FactorTerms
 from inference.halting import ACT, HALTING, HALTING_SOURCES, ConfidenceExit
 from inference.head_kernels import HeadStructure
 from inference.posterior import Posterior
@@ -183,6 +184,10 @@ class MeanField(nn.Module):
         memory_topk: int = 32,
     ):
         super().__init__()
+        if hasattr(crf, "templates"):  # refuse, by name, any factor this engine cannot compile
+            from inference.declaration import compile_templates
+
+            compile_templates(crf, "MeanField")
         if isinstance(iterations, bool) or not isinstance(iterations, int) or not 1 <= iterations <= 10_000:
             # each iteration is a layer: 10**4 is already far deeper than any model we train
             raise ValueError(f"iterations must be an integer >= 1 and <= 10000 (the limit), got {iterations!r}")
@@ -398,11 +403,12 @@ class MeanField(nn.Module):
 
     # ---- the bound ---------------------------------------------------------------------
 
-    def elbo(self, logits, unary, mask, structure, kernel="naive"):
+    def elbo(self, logits, unary, mask, structure, kernel="naive", terms: FactorTerms | None = None):
         """``[B]`` ELBO of q_z = softmax(logits) with the head and global marginals at their
         optimum given q_z, under the CRF's own potentials (any weights or μP): a member
         of the mean-field family, so always <= log Z. (None of this holds for a product-key
-        memory, which is not a CRF factor: ``ValueError``.)"""
+        memory, which is not a CRF factor: ``ValueError``.) ``terms``: the CRF's extra templates
+        on this batch (their expected log-potentials)."""
         self.crf._check_factor_graph()
         nodes = structure.nodes[..., None]
         log_q = logits.log_softmax(-1)
@@ -415,9 +421,11 @@ class MeanField(nn.Module):
         if self.crf.global_labels:
             n = mask.shape[1]
             value = value + ((q_z[:, :n] @ self.crf.binary.T).logsumexp(-1) * mask).sum(-1)
+        if terms is not None:
+            value = value + terms.expected(q_z)
         return value
 
-    def full_elbo(self, q_z, q_h, q_g, unary, mask, structure):
+    def full_elbo(self, q_z, q_h, q_g, unary, mask, structure, terms: FactorTerms | None = None):
         """``[B]`` ELBO of explicit marginals (q_h materialised): expected log-potential
         plus entropies."""
         query, key = self.project(q_z)
@@ -429,6 +437,8 @@ class MeanField(nn.Module):
             n = mask.shape[1]
             value = value + (q_g * (q_z[:, :n] @ self.crf.binary.T)).sum((1, 2))
             value = value + _entropy(q_g).sum((1, 2))
+        if terms is not None:
+            value = value + terms.expected(q_z)
         return value
 
     # ---- forward ----------------------------------------------------------------------
@@ -439,10 +449,12 @@ class MeanField(nn.Module):
         tokens, mask, structure = self.structure(tokens, mask)
         kernel = self.resolved_kernel(structure.nodes.shape[1], tokens.device)
         unary = self.crf.unary_table(tokens, mask)
+        factors = getattr(self.crf, "factors", ())
+        terms = FactorTerms(factors, tokens, mask, structure.nodes.shape[1]) if len(factors) else None
         if self.schedule == "sequential":
-            logits, last, history, extra = self._sequential(unary, mask, structure, kernel)
+            logits, last, history, extra = self._sequential(unary, mask, structure, kernel, terms)
         else:
-            logits, last, history, extra = self._unrolled(unary, mask, structure, kernel, confidence)
+            logits, last, history, extra = self._unrolled(unary, mask, structure, kernel, confidence, terms=terms)
         logits = logits * structure.nodes[..., None]
         q_z = logits.softmax(-1) * structure.nodes[..., None]
         q_g = self.topic(q_z, mask)[0] if self.crf.global_labels else None
@@ -458,24 +470,31 @@ class MeanField(nn.Module):
             heads = torch.stack([head_marginals(m) for m in extra["heads"]])
             found = {**extra, "logits": torch.stack(history), "heads": heads}
             if self.crf.global_memory == "dense":  # a product-key memory has no ELBO
-                found["elbo"] = torch.stack([self.elbo(x, unary, mask, structure, kernel) for x in history])
+                found["elbo"] = torch.stack([self.elbo(x, unary, mask, structure, kernel, terms) for x in history])
             return found
 
         return Posterior(
             z=q_z,
             h=head_marginals,
             g=q_g,
-            elbo=lambda: self.elbo(logits, unary, mask, structure, kernel),
+            elbo=lambda: self.elbo(logits, unary, mask, structure, kernel, terms),
             logits=logits,
             trace=trace,
             history=history,
             halting=extra.get("halting"),
         )
 
-    def _unrolled(self, unary, mask, structure, kernel, confidence=None, initial=None, frozen=None):
+    def _unrolled(self, unary, mask, structure, kernel, confidence=None, initial=None, frozen=None, terms=None):
         """async, parallel and macaron schedules: the transformer-like computation.
         ``initial``: starting label logits (default the unary); ``frozen [B, N]``: nodes
-        whose logits never change (``inference.Folded``'s condensed memory)."""
+        whose logits never change (``inference.Folded``'s condensed memory); ``terms``: the
+        extra templates' messages (``FactorTerms``), from the same labels as the heads."""
+        if terms is None and len(getattr(self.crf, "factors", ())):
+            raise ValueError(
+                f"this unrolled mean field got no messages for the CRF's extra factors "
+                f"{[f.name for f in self.crf.factors]} (segment-by-segment inference.Folded does not compile "
+                f"them); engines that can: MeanField, Exact, Gibbs"
+            )
         beta_z, _ = self.damping
         alpha_z, _ = self.step_size
         nodes = structure.nodes[..., None]
@@ -494,7 +513,9 @@ class MeanField(nn.Module):
             used_q = q_z
             q_z = q_z * nodes
             if self.schedule == "macaron":
-                new, heads, topic_late = self._macaron(unary, q_z, mask, structure, kernel, heads, topic_late, frozen)
+                new, heads, topic_late = self._macaron(
+                    unary, q_z, mask, structure, kernel, heads, topic_late, frozen, terms
+                )
             else:
                 query, key = self.project(q_z)
                 if self.schedule == "async":
@@ -505,6 +526,8 @@ class MeanField(nn.Module):
                 heads = self.heads(source[0], source[1], key, query, structure, kernel, heads)
                 topic_message = self.topic(source[2], mask)[1] if self.crf.global_labels else None
                 new = self.label_logits(unary, heads, topic_message)
+                if terms is not None:
+                    new = new + terms.message(source[2])
             logits = beta_z * logits + (1 - beta_z) * new if beta_z else new
             if self.dropout:
                 logits = F.dropout(logits, self.dropout, self.training)
@@ -529,14 +552,16 @@ class MeanField(nn.Module):
             extra["halting"] = exit_.summary()
         return logits, heads, history, extra
 
-    def _macaron(self, unary, q_z, mask, structure, kernel, heads, topic_late, frozen=None):
+    def _macaron(self, unary, q_z, mask, structure, kernel, heads, topic_late, frozen=None, terms=None):
         """One Macaron iteration: half-step global, head update, half-step global
-        (frozen nodes keep ``q_z`` through the half-steps)."""
+        (frozen nodes keep ``q_z`` through the half-steps). The extra templates' messages
+        come from the labels at the start of the iteration."""
         nodes = structure.nodes[..., None]
         start = q_z
+        factor_message = terms.message(start) if terms is not None else 0.0
 
         def half_step(messages, topic_message):
-            updated = self.label_logits(unary, messages, topic_message).softmax(-1) * nodes
+            updated = (self.label_logits(unary, messages, topic_message) + factor_message).softmax(-1) * nodes
             return updated if frozen is None else torch.where(frozen[..., None], start, updated)
 
         topic_early = self.topic(q_z, mask)[1]
@@ -546,9 +571,10 @@ class MeanField(nn.Module):
         heads = self.heads(query, key, key, query, structure, kernel, heads)
         q_z = half_step(heads, 0.5 * (topic_early + late))
         topic_late = self.topic(q_z, mask)[1]
-        return self.label_logits(unary, heads, 0.5 * (topic_early + topic_late)), heads, topic_late
+        new = self.label_logits(unary, heads, 0.5 * (topic_early + topic_late)) + factor_message
+        return new, heads, topic_late
 
-    def _sequential(self, unary, mask, structure, kernel):
+    def _sequential(self, unary, mask, structure, kernel, terms=None):
         """Coordinate ascent: refresh every head and global marginal, then one node's labels."""
         nodes = structure.nodes
         logits = unary.clone()
@@ -563,12 +589,14 @@ class MeanField(nn.Module):
                 query, key = self.project(q_z)
                 heads = self.heads(query, key, key, query, structure, "naive")
                 q_g, topic_message = self.topic(q_z, mask) if self.crf.global_labels else (None, None)
-                steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure))
+                steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure, terms))
                 row = self.label_logits(unary, heads, topic_message)[:, i]
+                if terms is not None:
+                    row = row + terms.message(q_z)[:, i]
                 logits = logits.clone()
                 logits[:, i] = torch.where(nodes[:, i, None], row, logits[:, i])
                 q_z = logits.softmax(-1) * nodes[..., None]
-                steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure))
+                steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure, terms))
             history.append(logits)
             deltas.append((q_z - start).abs().amax((1, 2)))
             all_heads.append(heads)
