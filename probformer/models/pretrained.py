@@ -143,10 +143,13 @@ def save_pretrained(model: nn.Module, save_directory) -> Path:
     """Write ``model`` (any kind; unwrapped from DDP or ``torch.compile``) into
     ``save_directory`` as ``config.json`` and ``model.safetensors`` (each shared tensor
     once, in the model's dtype); returns the folder. The folder is created if needed;
-    one that holds other files is refused (``from_pretrained`` would refuse it)."""
+    one that holds other files, and a model with NaN or infinite weights, are refused
+    (``from_pretrained`` would refuse what that wrote)."""
     kind = registry.kind_of(model)  # ValueError for a foreign module
     model = getattr(model, "module", getattr(model, "_orig_mod", model))
     check_declared(model)
+    weights = {name: t.detach().contiguous().cpu() for name, t in registry.unique_state(model).items()}
+    check_finite(weights, f"cannot save the {kind}")
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
     other = sorted(entry.name for entry in os.scandir(folder) if entry.name not in (CONFIG_NAME, WEIGHTS_NAME))
@@ -157,7 +160,6 @@ def save_pretrained(model: nn.Module, save_directory) -> Path:
         )
     from safetensors.torch import save_file
 
-    weights = {name: t.detach().contiguous().cpu() for name, t in registry.unique_state(model).items()}
     record = {"format": TORCH_FORMAT, "model": kind, "config": model.config.to_dict()}
     # each file replaced whole: an interrupted save never leaves a half-written one
     metadata = {"format": TORCH_FORMAT, "model": kind}

@@ -282,6 +282,12 @@ def test_a_symlinked_weights_file_is_refused(tmp_path):
 def test_save_pretrained_refuses_a_foreign_module_and_overwrites_its_own_folder(tmp_path):
     with pytest.raises(ValueError, match="not a probformer model"):
         pretrained.save_pretrained(torch.nn.Linear(2, 2), tmp_path / "linear")
+    broken = tiny("transformer")
+    with torch.no_grad():
+        broken.position.weight[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="'position.weight' holds NaN"):
+        pretrained.save_pretrained(broken, tmp_path / "broken")
+    assert not (tmp_path / "broken").exists()
     first, second = tiny("transformer", seed=0), tiny("transformer", seed=1)
     pretrained.save_pretrained(first, tmp_path / "saved")
     pretrained.save_pretrained(second, tmp_path / "saved")
