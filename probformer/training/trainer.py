@@ -6,7 +6,11 @@ Transformer baselines) and both tasks (MLM, UPOS tagging):
 - AdamW on ``probformer.mup.param_groups`` (μP multipliers for a μP PT, standard
   groups otherwise), linear warm-up then linear/cosine decay or constant, gradient-norm
   clipping, optional bf16 autocast;
-- a tqdm progress bar (loss, tokens/s, ETA), metrics as JSONL, a loss-curve PNG;
+- a tqdm progress bar (loss, tokens/s, ETA) on a terminal, else a plain line every 10
+  logged steps; metrics (loss, learning rate per parameter group, gradient norm before
+  clipping, tokens/s, and every ``diagnostics_every`` steps the PT's and the Particle
+  Transformer's per-layer ESS and diversity on a fixed probe batch) as JSONL, CSV and
+  TensorBoard scalars (``run_log``), a loss-curve PNG;
 - checkpoints every ``checkpoint_every`` steps and after the last (``checkpointing``:
   a SIGKILL at any instant leaves the last complete checkpoint loadable); metrics,
   the loss window and the loss curve in ``run_log``. Randomness (dropout, masking,
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from probformer.diagnostics.probe import layer_metrics
 from probformer.models import registry
 from probformer.models.mup import param_groups
 from probformer.training import checkpoint, checkpointing, crash_points, run_config
@@ -41,11 +46,15 @@ from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
 from probformer.training.data import SubwordVocabulary, text_lines
 from probformer.training.run_config import RunConfig
-from probformer.training.run_log import RunLog
+from probformer.training.run_log import Progress, RunLog
 
 __all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
 
-_RESUMABLE_CHANGES = {"steps", "epochs", "threads", "log_every", "eval_every", "checkpoint_every"}
+_RESUMABLE_CHANGES = {"steps", "epochs", "threads", "log_every", "eval_every", "checkpoint_every", "diagnostics_every"}
+# the kinds whose per-layer ESS and diversity the metrics carry, and the probe batch's size
+DIAGNOSED_KINDS = ("probabilistic_transformer", "particle_transformer")
+PROBE_SENTENCES = 8
+PROGRESS_EVERY = 10  # logged training lines between plain progress lines (no terminal)
 
 
 # ---- evaluation ---------------------------------------------------------------------
@@ -127,7 +136,10 @@ class Trainer:
         self.total_steps = config.train.steps or config.train.epochs * per_epoch
         self.step = self.epoch = self.batch_in_epoch = self.tokens_seen = 0
         self.elapsed = 0.0
-        self.log = RunLog(self.out / "metrics.jsonl", enabled=self.rank == 0)
+        self.probe = self._probe_batch()
+        self.log = RunLog(
+            self.out / "metrics.jsonl", enabled=self.rank == 0, columns=self._columns(), tensorboard=self.rank == 0
+        )
         if resume:
             self._restore()
         elif self.rank == 0:
@@ -151,6 +163,43 @@ class Trainer:
 
             dist.all_reduce(value)
         return value
+
+    # -- what is logged --
+
+    def _probe_batch(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fixed sentences the per-layer diagnostics are measured on (the first
+        validation sentences, else the first training ones); ``None``: no diagnostics."""
+        if self.rank != 0 or not self.config.train.diagnostics_every or self.config.kind not in DIAGNOSED_KINDS:
+            return None
+        examples = (self.corpus.valid or self.corpus.train)[:PROBE_SENTENCES]
+        tokens, mask, _ = collate(examples)
+        return tokens, mask
+
+    def _columns(self) -> list[str]:
+        """Every field a metrics record can have, in the CSV's order."""
+        quality = "accuracy" if self.config.data.task == "pos" else "perplexity"
+        groups = [f"lr/{group['name']}" for group in self.optimizer.param_groups]
+        self.probe_fields = list(layer_metrics(self.model, *self.probe)) if self.probe else []
+        return [
+            "step", "split", "final", "loss", quality, "tokens", "lr", *groups, "grad_norm",
+            "tokens_per_second", "elapsed", *self.probe_fields,
+        ]  # fmt: skip
+
+    def _train_fields(self, grad_norm: float, window_tokens: int, window_seconds: float) -> dict:
+        """The fields of a logged training line besides step and loss."""
+        train = self.config.train
+        fields = {
+            "tokens": self.tokens_seen,
+            "lr": train.lr * self.lr_factor(self.step - 1),  # the schedule's base rate at this step
+            **{f"lr/{group['name']}": group["lr"] for group in self.optimizer.param_groups},
+            "grad_norm": grad_norm,
+            "tokens_per_second": window_tokens / max(window_seconds, 1e-9),
+            "elapsed": self.elapsed,
+        }
+        due = train.diagnostics_every and (self.step % train.diagnostics_every == 0 or self.step == self.total_steps)
+        if self.probe is not None and due:
+            fields |= layer_metrics(self.model, *self.probe, names=self.probe_fields)
+        return fields
 
     # -- the run folder --
 
@@ -237,10 +286,11 @@ class Trainer:
         task, rate = self.config.data.task, self.config.data.mask_rate
         return evaluate_model(self.model, examples, task, len(self.corpus.vocabulary), rate)
 
-    def train_step(self, examples) -> tuple[float, int]:
-        """One optimiser step; ``(mean loss, tokens)``. A non-finite loss or gradient norm
-        raises ``FloatingPointError`` before the step, so the weights stay good. Both are
-        read in the one host synchronisation the step always had (the logged loss)."""
+    def train_step(self, examples) -> tuple[float, int, float]:
+        """One optimiser step; ``(mean loss, real tokens, gradient norm before clipping)``.
+        A non-finite loss or gradient norm raises ``FloatingPointError`` before the step, so
+        the weights stay good. Both are read in the one host synchronisation the step always
+        had (the logged loss)."""
         train, task = self.config.train, self.config.data.task
         torch.manual_seed(train.seed * 1_000_003 + self.step)  # dropout: a function of the step
         masks = torch.Generator().manual_seed(train.seed * 7_919 + self.step)
@@ -274,7 +324,7 @@ class Trainer:
             raise FloatingPointError(self._non_finite_message(loss, grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, int(mask.sum())
+        return loss, int(mask.sum()), grad_norm
 
     def _non_finite_message(self, loss: float, grad_norm: float) -> str:
         pointer = self.out / "checkpoints" / "latest"
@@ -290,9 +340,6 @@ class Trainer:
         )
 
     def run(self) -> dict:
-        from tqdm.auto import tqdm
-
-        train = self.config.train
         if self.progress:
             print(
                 f"{self.config.kind}: {self.parameters / 1e6:.2f}M parameters; {len(self.corpus.train)} training / "
@@ -300,30 +347,45 @@ class Trainer:
                 f"{self.total_steps} steps; {self.world} process(es) -> {self.out}",
                 flush=True,
             )
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not self.progress, unit="step", dynamic_ncols=True
-        )
-        started, tokens_at_start = time.perf_counter() - self.elapsed, self.tokens_seen
+        progress = Progress(self.total_steps, self.step, self.progress, every=PROGRESS_EVERY)
+        try:
+            summary = self._loop(progress)
+        finally:
+            progress.close()
+            self.log.close()
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+        return summary
+
+    def _loop(self, progress: Progress) -> dict:
+        train = self.config.train
+        started = time.perf_counter() - self.elapsed
+        # tokens/s over each logging window, timing the training steps only (not validation or saves)
+        window_tokens, window_seconds, speed = 0, 0.0, None
         while self.step < self.total_steps:
             order = epoch_order(self.lengths, train.batch_size, train.seed, self.epoch)
             if self.batch_in_epoch >= len(order):
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 continue
             indices = order[self.batch_in_epoch]
-            loss, tokens = self.train_step([self.corpus.train[i] for i in indices])
+            step_started = time.perf_counter()
+            loss, tokens, grad_norm = self.train_step([self.corpus.train[i] for i in indices])
+            window_seconds += time.perf_counter() - step_started  # train_step ends in a host sync
             crash_points.reached("step")
             self.step, self.batch_in_epoch = self.step + 1, self.batch_in_epoch + 1
             self.tokens_seen += tokens
+            window_tokens += tokens
             self.elapsed = time.perf_counter() - started
             self.log.add_loss(loss)
-            speed = (self.tokens_seen - tokens_at_start) / max(self.elapsed, 1e-9)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed:.0f}")
-            if self.step % train.log_every == 0 or self.step == self.total_steps:
-                lr = self.optimizer.param_groups[0]["lr"]
-                self.log.log_train(
-                    self.step, lr=lr, tokens=self.tokens_seen, tokens_per_second=speed, elapsed=self.elapsed
-                )
+            progress.step(loss, speed)
+            diagnostics_due = train.diagnostics_every and self.step % train.diagnostics_every == 0
+            if self.step % train.log_every == 0 or self.step == self.total_steps or diagnostics_due:
+                record = self.log.log_train(self.step, **self._train_fields(grad_norm, window_tokens, window_seconds))
+                speed = record["tokens_per_second"]
+                window_tokens, window_seconds = 0, 0.0
+                progress.train_line(record)
             if (
                 self.rank == 0
                 and train.eval_every
@@ -332,22 +394,13 @@ class Trainer:
             ):
                 metrics = self.evaluate(train.eval_sentences)
                 self.log.write({"step": self.step, "split": "valid", **metrics})
-                if self.progress:
-                    bar.write(f"step {self.step}: validation {_describe(metrics)}")
+                progress.message(f"step {self.step}: validation {_describe(metrics)}")
                 self.plot()
             if self.rank == 0 and (
                 (train.checkpoint_every and self.step % train.checkpoint_every == 0) or self.step == self.total_steps
             ):
                 self.save()
-        bar.close()
-        summary = {}
-        if self.rank == 0:
-            summary = self._finish()
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-        return summary
+        return self._finish() if self.rank == 0 else {}
 
     def _finish(self) -> dict:
         """After the last step (whose checkpoint is written): the final validation line,
