@@ -53,7 +53,7 @@ from torch import nn
 
 from graphs import topology as topologies
 from graphs.factors import BUILT_IN, Factor, Global, Ternary, Unary
-from graphs.topology import Topology, distance_groups
+from graphs.topology import distance_groups
 
 __all__ = ["CRF", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES", "LIMITS", "MAX_PARAMETERS"]
 
@@ -84,12 +84,16 @@ class CRF(nn.Module):
         channels: C, the number of head variables per node.
         rank: r, the rank of each ternary table T[k, c] (default: d, i.e. full rank).
         global_labels: g, values of the per-token global variable (0: none).
-        topology: a ``graphs.topology.Topology`` or its text form (default ``full()``).
+        topology: a ``graphs.topology.Topology``, its text form (default ``full()``), a
+            ``networkx.DiGraph`` on positions, a bool ``[n_max, n_max]`` mask, a function
+            n -> graph or mask, or ``Topology.to_data()``'s dict (``graphs.topology.parse``).
         gamma: distance clip; token arcs fall into ``2 * (gamma + 1)`` groups.
         ternary_form: "low_rank" (per-channel U V^T), "cp" or "tucker" (see the module
             docstring); ``ternary_blocks``: the number of Tucker blocks.
         global_memory: "dense" (the binary factor) or "product_key" (global_labels must
             be a square, s^2).
+        factors: extra factor templates (``graphs.factors.Pairwise``, ``graphs.Factor``
+            subclasses), added to the built-in Unary, Global and Ternary.
     """
 
     def __init__(
@@ -99,7 +103,7 @@ class CRF(nn.Module):
         channels: int = 1,
         rank: int | None = None,
         global_labels: int = 0,
-        topology: Topology | str | None = None,
+        topology=None,
         gamma: int = 3,
         ternary_form: str = "low_rank",
         ternary_blocks: int = 1,

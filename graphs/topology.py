@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,6 +34,10 @@ __all__ = [
     "segments",
     "root",
     "parse",
+    "from_graph",
+    "from_mask",
+    "from_callable",
+    "from_data",
     "NAMES",
     "distance_groups",
 ]
@@ -61,6 +65,12 @@ class Topology:
     band: tuple[float, float] | None = None
     segment_length: int | None = None
     build_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    data: dict | None = field(default=None, compare=False)  # how to store it (see to_data); None: it cannot be
+
+    @property
+    def n_max(self) -> int | None:
+        """The number of positions of a topology from a graph or mask (None: any length)."""
+        return self.data["n_max"] if self.data is not None and "n_max" in self.data else None
 
     @property
     def extra_nodes(self) -> int:
@@ -140,10 +150,32 @@ class Topology:
         if left.band is not None and right.band is not None:  # nested bands: the union is a band
             band = (max(left.band[0], right.band[0]), max(left.band[1], right.band[1]))
         rows = build_rows if left.build_rows is not None or right.build_rows is not None else None
-        return Topology(f"{left.name} | {right.name}", left.virtual + right.virtual, build, band, None, rows)
+        data = None
+        if left.data is not None and right.data is not None:
+            both_text = "text" in left.data and "text" in right.data
+            data = {"text": f"{left.name} | {right.name}"} if both_text else {"union": [left.data, right.data]}
+        return Topology(f"{left.name} | {right.name}", left.virtual + right.virtual, build, band, None, rows, data)
 
     def __repr__(self) -> str:
         return f"Topology({self.name})"
+
+    def to_data(self) -> dict:
+        """A JSON-able description that ``from_data`` turns back into the same arcs:
+        ``{"text": "window(2) | star()"}`` for the built-ins, ``{"arcs": [[i, j], ...],
+        "n_max": n}`` for a graph or a mask, ``{"union": [a, b]}`` for a union of both kinds.
+        ``ValueError`` for a topology that cannot be stored (built from a callable, or by
+        hand): refused before anything is written."""
+        if self.data is None:
+            raise ValueError(
+                f"topology {self.name!r} cannot be stored as data (it was built from a callable or by hand); "
+                f"store a built-in topology, a networkx DiGraph or a boolean mask over n_max positions instead"
+            )
+        return self.data
+
+    @staticmethod
+    def from_data(data) -> Topology:
+        """The topology ``to_data`` described."""
+        return from_data(data)
 
 
 # Limits (issue 17): sizes whose memory or time would be absurd are refused before any
@@ -206,24 +238,24 @@ def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
 
 def full() -> Topology:
     """Every token may choose every other token (the PT / BERT encoder)."""
-    return Topology("full()", (), lambda n: torch.ones(n, n, dtype=torch.bool), (math.inf, math.inf))
+    return _as_text(Topology("full()", (), lambda n: torch.ones(n, n, dtype=torch.bool), (math.inf, math.inf)))
 
 
 def causal() -> Topology:
     """Token i may choose only earlier tokens j < i (a decoder). Token 0 has no head."""
-    return Topology("causal()", (), lambda n: _offsets(n) < 0, (math.inf, 0))
+    return _as_text(Topology("causal()", (), lambda n: _offsets(n) < 0, (math.inf, 0)))
 
 
 def chain() -> Topology:
     """Token i may choose only its left neighbour i - 1 (a linear chain: with a
     ``graphs.factors.Pairwise`` on it, the linear-chain CRF). Token 0 has no head."""
-    return Topology("chain()", (), lambda n: _offsets(n) == -1, (1, 0))
+    return _as_text(Topology("chain()", (), lambda n: _offsets(n) == -1, (1, 0)))
 
 
 def window(w: int) -> Topology:
     """Token i may choose tokens j with 0 < |i - j| <= w (local attention, no wrap-around)."""
     w = _check_positive("window width w", w, MAX_REACH)
-    return Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w, (w, w))
+    return _as_text(Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w, (w, w)))
 
 
 def star(wrap: bool = False) -> Topology:
@@ -242,7 +274,7 @@ def star(wrap: bool = False) -> Topology:
             ring = ring | (tokens & ((j - i).abs() == n - 1))
         return ring | ((i < n) & (j == n)) | ((i == n) & (j < n))  # tokens <-> relay
 
-    return Topology(f"star(wrap={wrap})", ("relay",), build, None if wrap else (1, 1))
+    return _as_text(Topology(f"star(wrap={wrap})", ("relay",), build, None if wrap else (1, 1)))
 
 
 def root() -> Topology:
@@ -253,7 +285,7 @@ def root() -> Topology:
         i, j = _positions(n + 1)
         return (i < n) & (j == n)
 
-    return Topology("root()", ("root",), build, (0, 0))
+    return _as_text(Topology("root()", ("root",), build, (0, 0)))
 
 
 def clusters(k: int, dynamic: bool = False) -> Topology:
@@ -289,7 +321,7 @@ def clusters(k: int, dynamic: bool = False) -> Topology:
         return build_rows(torch.ones(1, n, dtype=torch.bool))[0]
 
     name = f"clusters({k}, dynamic=True)" if dynamic else f"clusters({k})"
-    return Topology(name, tuple(f"cluster{c}" for c in range(k)), build, (0, 0), build_rows=build_rows)
+    return _as_text(Topology(name, tuple(f"cluster{c}" for c in range(k)), build, (0, 0), build_rows=build_rows))
 
 
 def segments(length: int, causal: bool = False) -> Topology:
@@ -312,7 +344,99 @@ def segments(length: int, causal: bool = False) -> Topology:
         return same | (gap == 1)
 
     name = f"segments({length}, causal=True)" if causal else f"segments({length})"
-    return Topology(name, (), build, segment_length=length)
+    return _as_text(Topology(name, (), build, segment_length=length))
+
+
+def _as_text(topology: Topology) -> Topology:
+    """A built-in topology is stored as its constructor text (``parse`` reads it back)."""
+    return replace(topology, data={"text": topology.name})
+
+
+# ---- topologies from data: networkx graphs, masks, callables ------------------------------
+
+
+def from_mask(mask) -> Topology:
+    """Arcs from a boolean ``[n_max, n_max]`` mask over positions (``mask[i, j]``: i may
+    choose j as head; the diagonal must be False). A sentence of length n <= n_max uses
+    ``mask[:n, :n]``; a longer one is refused."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"a topology mask must be a bool tensor [n_max, n_max], got {getattr(mask, 'shape', mask)!r}")
+    if mask.shape[0] != mask.shape[1] or mask.shape[0] < 1:
+        raise ValueError(f"a topology mask must be square [n_max, n_max] with n_max >= 1, got {tuple(mask.shape)}")
+    arcs = mask.detach().cpu().nonzero().tolist()
+    return _from_arcs(arcs, mask.shape[0])
+
+
+def from_graph(graph) -> Topology:
+    """Arcs from a ``networkx.DiGraph`` on the positions ``0..n_max-1`` (an edge i -> j:
+    i may choose j as head). A sentence of length n uses the subgraph on ``0..n-1``."""
+    if not (hasattr(graph, "nodes") and hasattr(graph, "edges") and getattr(graph, "is_directed", lambda: False)()):
+        raise ValueError(f"a topology graph must be a networkx.DiGraph, got {type(graph).__name__}")
+    nodes = list(graph.nodes)
+    if not nodes or sorted(nodes, key=repr) != sorted(range(len(nodes)), key=repr):
+        shown = sorted(nodes, key=repr)[:8]
+        raise ValueError(f"a topology graph's nodes must be the positions 0..n_max-1 (integers), got {shown}")
+    return _from_arcs([list(edge) for edge in graph.edges], len(nodes))
+
+
+def from_callable(build: Callable) -> Topology:
+    """Arcs from a function of the sentence length n returning a ``networkx.DiGraph`` on
+    ``0..n-1`` or a bool ``[n, n]`` mask. It has no stored form: ``to_data`` refuses it,
+    so a model on it cannot be checkpointed or exported (store a graph or mask instead)."""
+    if not callable(build):
+        raise ValueError(f"from_callable needs a function n -> graph or mask, got {build!r}")
+
+    def arcs(n: int) -> torch.Tensor:
+        made = build(n)
+        topology = from_mask(made) if isinstance(made, torch.Tensor) else from_graph(made)
+        if topology.n_max != n:
+            raise ValueError(f"the topology function returned {topology.n_max} positions for a sentence of length {n}")
+        return topology.build(n)
+
+    name = f"from_callable({getattr(build, '__name__', type(build).__name__)})"
+    return Topology(name, (), arcs)
+
+
+def _from_arcs(arcs: list, n_max: int) -> Topology:
+    if n_max > MAX_NODES:
+        raise ValueError(f"a topology over {n_max} positions exceeds the limit of {MAX_NODES} nodes")
+    arcs = sorted({(int(i), int(j)) for i, j in arcs})
+    for i, j in arcs:
+        if not (0 <= i < n_max and 0 <= j < n_max):
+            raise ValueError(f"arc ({i}, {j}) lies outside the positions 0..{n_max - 1}")
+        if i == j:
+            raise ValueError(f"arc ({i}, {i}) is a self-arc: a node never chooses itself as head")
+    table = torch.zeros(n_max, n_max, dtype=torch.bool)
+    if arcs:
+        table[torch.tensor(arcs).T.unbind()] = True
+
+    def build(n: int) -> torch.Tensor:
+        if not isinstance(n, torch.SymInt) and n > n_max:
+            raise ValueError(f"this topology covers {n_max} positions (n_max); got a sentence of length {n}")
+        return table[:n, :n]
+
+    data = {"arcs": [list(a) for a in arcs], "n_max": n_max}
+    digest = sum((i * n_max + j + 1) * 2654435761 for i, j in arcs) % 16**6  # tells two arc sets apart in a name
+    return Topology(f"arcs(n_max={n_max}, {len(arcs)} arcs, #{digest:06x})", (), build, data=data)
+
+
+def from_data(data) -> Topology:
+    """The topology of ``Topology.to_data()``'s description."""
+    if not isinstance(data, dict) or len(data) == 0:
+        raise ValueError(f"topology data must be a dict with 'text', 'arcs' or 'union', got {data!r}")
+    if set(data) == {"text"}:
+        return parse(data["text"])
+    if set(data) == {"arcs", "n_max"}:
+        n_max = data["n_max"]
+        if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
+            raise ValueError(f"topology data 'n_max' must be an integer >= 1, got {n_max!r}")
+        pairs = data["arcs"]
+        if not isinstance(pairs, list) or any(not isinstance(a, list | tuple) or len(a) != 2 for a in pairs):
+            raise ValueError("topology data 'arcs' must be a list of [i, j] pairs")
+        return _from_arcs(data["arcs"], n_max)
+    if set(data) == {"union"} and isinstance(data["union"], list) and len(data["union"]) == 2:
+        return from_data(data["union"][0]) | from_data(data["union"][1])
+    raise ValueError(f"topology data must have the keys 'text', 'arcs' and 'n_max', or 'union'; got {sorted(data)}")
 
 
 NAMES: dict[str, Callable[..., Topology]] = {
@@ -329,13 +453,27 @@ NAMES: dict[str, Callable[..., Topology]] = {
 _TERM = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*([^()]*?)\s*\))?\s*$")
 
 
-def parse(spec: str | Topology) -> Topology:
-    """A topology from text, e.g. ``"full"``, ``"window(3)"``, ``"window(2) | star()"``,
-    ``"star(wrap=True)"``. Arguments are integers or True/False."""
+def parse(spec) -> Topology:
+    """A topology from anything that describes one: a ``Topology``; text, e.g. ``"full"``,
+    ``"window(3)"``, ``"window(2) | star()"``, ``"star(wrap=True)"`` (arguments are integers
+    or True/False); a ``networkx.DiGraph`` on positions (``from_graph``); a bool mask
+    (``from_mask``); a function n -> graph or mask (``from_callable``); or the dict of
+    ``Topology.to_data()``."""
     if isinstance(spec, Topology):
         return spec
+    if isinstance(spec, torch.Tensor):
+        return from_mask(spec)
+    if isinstance(spec, dict):
+        return from_data(spec)
+    if hasattr(spec, "edges") and hasattr(spec, "nodes"):
+        return from_graph(spec)
+    if callable(spec):
+        return from_callable(spec)
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"topology must be a Topology or a non-empty string, got {spec!r}")
+        raise ValueError(
+            f"topology must be a Topology, a non-empty string, a networkx DiGraph, a bool mask, a function n -> graph "
+            f"or Topology.to_data()'s dict, got {spec!r}"
+        )
     parts = [_parse_term(term, spec) for term in spec.split("|")]
     result = parts[0]
     for part in parts[1:]:
