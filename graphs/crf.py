@@ -65,6 +65,7 @@ GLOBAL_MEMORIES = ("dense", "product_key")
 # (graphs cannot import probformer; probformer imports graphs).
 LIMITS: dict[str, int] = {
     "vocab_size": 2**24,
+    "embedding_size": 2**24,
     "labels": 2**16,
     "channels": 2**10,
     "rank": 2**14,
@@ -98,8 +99,8 @@ class CRF(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        labels: int,
+        vocab_size: int | None = None,
+        labels: int | None = None,
         channels: int = 1,
         rank: int | None = None,
         global_labels: int = 0,
@@ -109,9 +110,18 @@ class CRF(nn.Module):
         ternary_blocks: int = 1,
         global_memory: str = "dense",
         factors: list | tuple = (),
+        embedding_size: int | None = None,
     ):
         super().__init__()
-        _check_int("vocab_size", vocab_size, minimum=1)
+        if (vocab_size is None) == (embedding_size is None):
+            raise ValueError(
+                f"give exactly one of vocab_size (token ids in) and embedding_size (embeddings in), "
+                f"got vocab_size={vocab_size!r}, embedding_size={embedding_size!r}"
+            )
+        if embedding_size is not None:
+            _check_int("embedding_size", embedding_size, minimum=1)
+        else:
+            _check_int("vocab_size", vocab_size, minimum=1)
         _check_int("labels", labels, minimum=1)
         _check_int("channels", channels, minimum=1)
         rank = labels if rank is None else rank
@@ -119,7 +129,8 @@ class CRF(nn.Module):
         _check_int("global_labels", global_labels, minimum=0)
         _check_int("gamma", gamma, minimum=0)
         _check_int("ternary_blocks", ternary_blocks, minimum=1)
-        _check_parameter_count(vocab_size, labels, channels, rank, global_labels, gamma, ternary_blocks)
+        rows = vocab_size if embedding_size is None else embedding_size
+        _check_parameter_count(rows, labels, channels, rank, global_labels, gamma, ternary_blocks)
         if ternary_form not in TERNARY_FORMS:
             raise ValueError(f"ternary_form must be one of {list(TERNARY_FORMS)}, got {ternary_form!r}")
         self.ternary_form, self.ternary_blocks = ternary_form, ternary_blocks
@@ -132,13 +143,14 @@ class CRF(nn.Module):
             )
         self.global_memory = global_memory
         self.vocab_size, self.labels, self.channels, self.rank = vocab_size, labels, channels, rank
+        self.embedding_size = embedding_size
         self.global_labels, self.gamma = global_labels, gamma
         self.topology = topologies.parse(topology if topology is not None else "full")
         self.num_groups = 2 * (gamma + 1) + (1 if self.topology.extra_nodes else 0)
 
         # Initialisation as the reference PT (pt-spec.md §2.3): xavier-uniform unary,
         # N(0, 1/r) low-rank factors, N(0, 1/d) binary.
-        self.unary = nn.Parameter(nn.init.xavier_uniform_(torch.empty(vocab_size, labels)))
+        self.unary = nn.Parameter(nn.init.xavier_uniform_(torch.empty(rows, labels)))  # [V, d] or [D, d]
         # Every form starts with factor entries of variance 1/r (the effective rank of
         # "tucker" is blocks x r; its cores are scaled so that T has the same variance).
         std, K = rank**-0.5, self.num_groups
@@ -166,8 +178,11 @@ class CRF(nn.Module):
 
     def extra_repr(self) -> str:
         form = "" if self.ternary_form == "low_rank" else f", ternary_form={self.ternary_form!r}"
+        source = (
+            f"vocab_size={self.vocab_size}" if self.embedding_size is None else f"embedding_size={self.embedding_size}"
+        )
         return (
-            f"vocab_size={self.vocab_size}, labels={self.labels}, channels={self.channels}, "
+            f"{source}, labels={self.labels}, channels={self.channels}, "
             f"rank={self.rank}, global_labels={self.global_labels}, gamma={self.gamma}, "
             f"topology={self.topology.name}{form}"
         )
@@ -230,14 +245,61 @@ class CRF(nn.Module):
 
     def unary_table(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``[B, N, d]`` unary log-potentials; 0 for padding and virtual nodes."""
+        self._check_reads("token ids")
         scores = self.unary[tokens] * mask[..., None]
         virtual = scores.new_zeros(tokens.shape[0], self.topology.extra_nodes, self.labels)
         return torch.cat([scores, virtual], dim=1)
 
+    def embedding_table(self, embeddings: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, N, d]`` unary log-potentials ``x @ unary`` of embeddings ``x [B, n, D]``
+        (``embedding_size=D``); 0 for padding and virtual nodes. One-hot embeddings give
+        exactly the rows a token-id CRF with the same table reads."""
+        self._check_reads("embeddings")
+        scores = (embeddings @ self.unary) * mask[..., None]
+        virtual = scores.new_zeros(embeddings.shape[0], self.topology.extra_nodes, self.labels)
+        return torch.cat([scores, virtual], dim=1)
+
     # ---- validation --------------------------------------------------------------
+
+    def _check_reads(self, source: str) -> None:
+        reads = "token ids" if self.embedding_size is None else "embeddings"
+        if source != reads:
+            fix = "embeddings=x [B, n, D] (MeanField)" if reads == "embeddings" else "token ids"
+            raise ValueError(
+                f"this CRF reads {reads} (vocab_size={self.vocab_size}, embedding_size={self.embedding_size}), "
+                f"not {source}: pass {fix}"
+            )
+
+    def check_embeddings(self, embeddings, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate embeddings ``[B, n, D]`` (floating) and their mask; returns ``(x, mask)``."""
+        self._check_reads("embeddings")
+        if not isinstance(embeddings, torch.Tensor) or not embeddings.dtype.is_floating_point:
+            found = getattr(embeddings, "dtype", type(embeddings).__name__)
+            raise TypeError(f"embeddings must be a floating torch.Tensor [B, n, D], got {found}")
+        if embeddings.dim() != 3 or embeddings.shape[-1] != self.embedding_size or 0 in embeddings.shape[:2]:
+            raise ValueError(
+                f"embeddings must have shape [batch, length, {self.embedding_size}] (embedding_size), non-empty, "
+                f"got {tuple(embeddings.shape)}"
+            )
+        lengths_only = torch.zeros(embeddings.shape[:2], dtype=torch.long, device=embeddings.device)
+        if mask is None:
+            mask = torch.ones_like(lengths_only, dtype=torch.bool)
+        else:
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+            if mask.shape != lengths_only.shape:
+                raise ValueError(
+                    f"mask shape {tuple(mask.shape)} must equal embeddings' [B, n] {tuple(lengths_only.shape)}"
+                )
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            empty = (~mask.any(dim=1)).nonzero().flatten()
+            if len(empty):
+                raise ValueError(f"mask leaves rows {empty.tolist()} with no tokens; every row needs >= 1 token")
+        return embeddings.masked_fill(~mask[..., None], 0.0), mask
 
     def check_inputs(self, tokens, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate a batch; returns ``(tokens [B, n] long, mask [B, n] bool)``."""
+        self._check_reads("token ids")
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"tokens must be a torch.Tensor of integer ids, got {type(tokens).__name__}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:

@@ -276,9 +276,17 @@ class MeanField(nn.Module):
 
     # ---- building blocks -------------------------------------------------------------
 
-    def structure(self, tokens, mask):
+    def structure(self, tokens, mask, embeddings=None):
+        """``(tokens, mask, HeadStructure)`` of a checked batch; with ``embeddings [B, n, D]``
+        (a CRF with ``embedding_size``) ``tokens`` is None and the first item is the checked
+        embeddings."""
         crf = self.crf
-        tokens, mask = crf.check_inputs(tokens, mask)
+        if embeddings is not None:
+            if tokens is not None:
+                raise ValueError("give tokens or embeddings, not both")
+            tokens, mask = crf.check_embeddings(embeddings, mask)
+        else:
+            tokens, mask = crf.check_inputs(tokens, mask)
         crf.check_parameters()
         n = tokens.shape[1]
         structure = HeadStructure(
@@ -443,13 +451,23 @@ class MeanField(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------
 
-    def forward(self, tokens, mask=None, confidence=None) -> Posterior:
+    def forward(self, tokens=None, mask=None, confidence=None, embeddings=None) -> Posterior:
         """``confidence``: label logits ``[B, N, d]`` -> ``[B, N]``, the confidence that
-        ends a token under ``halting="exit"`` (at inference; ignored otherwise)."""
-        tokens, mask, structure = self.structure(tokens, mask)
+        ends a token under ``halting="exit"`` (at inference; ignored otherwise).
+        ``embeddings [B, n, D]`` instead of ``tokens``: a CRF with ``embedding_size=D``,
+        whose unary potentials are ``embeddings @ crf.unary``."""
+        tokens, mask, structure = self.structure(tokens, mask, embeddings)
         kernel = self.resolved_kernel(structure.nodes.shape[1], tokens.device)
-        unary = self.crf.unary_table(tokens, mask)
         factors = getattr(self.crf, "factors", ())
+        if embeddings is not None:
+            if len(factors):
+                raise ValueError(
+                    f"extra factors {[f.name for f in factors]} read token ids: MeanField on embeddings does not "
+                    f"compile them yet; engines that can: MeanField, Exact, Gibbs on token ids"
+                )
+            unary = self.crf.embedding_table(tokens, mask)
+        else:
+            unary = self.crf.unary_table(tokens, mask)
         terms = FactorTerms(factors, tokens, mask, structure.nodes.shape[1]) if len(factors) else None
         if self.schedule == "sequential":
             logits, last, history, extra = self._sequential(unary, mask, structure, kernel, terms)
