@@ -54,15 +54,16 @@ class SMCResult:
 
 # the three ways log-weights go bad, in the order they are reported
 _BAD_WEIGHTS = (
-    "log-weights contain NaN",
+    "log-weights contain NaN (a NaN increment, or +inf on a particle of weight 0)",
     "log-weights contain +inf",
     "every particle has zero weight (all log-weights -inf)",
 )
 
 
-def _bad_weights(log_weights: torch.Tensor) -> torch.Tensor:
-    """``[3, B]`` per filter: NaN, +inf, every particle at -inf. Device-side: no sync."""
-    return torch.stack([log_weights.isnan().any(-1), log_weights.isposinf().any(-1), log_weights.isneginf().all(-1)])
+def _bad_weights(joint_max: torch.Tensor) -> torch.Tensor:
+    """``[3, B]`` per filter: NaN, +inf, every particle at -inf, read off the row maxima of
+    the new log-weights (amax propagates NaN) that the step computes anyway. No sync."""
+    return torch.stack([joint_max.isnan(), joint_max == math.inf, joint_max == -math.inf])
 
 
 def _raise_bad_weights(first_bad: torch.Tensor, never: int) -> None:
@@ -112,9 +113,11 @@ def resample_indices(weights: torch.Tensor, method: str, generator: torch.Genera
         # i >= floor(N c_j - u) + 1, so ancestor_i = #{j : that threshold <= i}: a
         # histogram and a cumsum, O(N) instead of a binary search per position.
         u = torch.rand(B, 1, device=device, dtype=dtype, generator=generator)
-        first = (torch.floor(N * cumulative - u) + 1).clamp(0, N).long()
-        counts = torch.zeros(B, N + 1, device=device, dtype=torch.long).scatter_add_(1, first, torch.ones_like(first))
-        return counts[:, :N].cumsum(-1).clamp(max=N - 1)
+        # floor(N c_j - u) + 1 = floor(N c_j + 1 - u): positive, so truncation is the floor
+        first = torch.add(1 - u, cumulative, alpha=N).clamp_(max=N).long()
+        ones = torch.ones((), device=device, dtype=torch.long).expand_as(first)
+        counts = torch.zeros(B, N + 1, device=device, dtype=torch.long).scatter_add_(1, first, ones)
+        return counts[:, :N].cumsum(-1).clamp_(max=N - 1)
     if method != "stratified":
         raise ValueError(f"unknown resampler {method!r}; allowed: {list(RESAMPLERS)}")
     positions = (
@@ -226,13 +229,23 @@ class SMC:
             raise ValueError(f"init must return particles [B, N={N}, ...], got {tuple(first.shape)}")
         log_weights = torch.full((B, N), -math.log(N), device=device, dtype=dtype)
         log_evidence = torch.zeros(B, device=device, dtype=dtype)
-        history = {"ess": [], "ancestors": [], "resampled": []}
         identity = torch.arange(N, device=device).expand(B, N)
+        resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
+        ess_all = torch.empty(num_steps, B, device=device, dtype=dtype)
+        resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
+        # written in place step by step (no stack of T tensors at the end); never resampling,
+        # every step's ancestors are the identity: a view, no memory
+        ancestors_all = torch.empty(num_steps, B, N, device=device, dtype=torch.long) if resampling else None
         # bad weights are recorded on the device and reported after the loop (one host read
         # per run, none per step); a bad filter continues on uniform weights meanwhile, so
         # nothing downstream (the resamplers) sees a NaN
         never = num_steps
         first_bad = torch.full((len(_BAD_WEIGHTS), B), never, device=device, dtype=torch.long)
+        # relative weights below sqrt(smallest normal number) are flushed to exactly 0: they are
+        # far below what a sum or a cumulative sum against the largest (1) can resolve, and
+        # exp() and squares of subnormal numbers run ~10x slower on CPUs (degenerate weights
+        # are full of them)
+        flush = math.log(torch.finfo(dtype).tiny) / 2
         for t in range(num_steps):
             particles, increment = step(t, particles)
             if increment.shape != (B, N):
@@ -240,58 +253,61 @@ class SMC:
                     f"step must return log-incremental weights [B, N] = {(B, N)}, got {tuple(increment.shape)}"
                 )
             joint = log_weights + increment
-            bad = _bad_weights(increment) | _bad_weights(joint)
+            top = joint.detach().amax(-1)
+            bad = _bad_weights(top)
             first_bad = torch.where(bad, first_bad.clamp(max=t), first_bad)
-            joint = torch.where(bad.any(0)[:, None], log_weights.new_zeros(()), joint)
-            step_evidence = joint.logsumexp(-1)  # log sum_i W_i exp(inc_i) (W normalised)
-            log_evidence = log_evidence + step_evidence
-            log_weights = joint - step_evidence[:, None]
-            ess = (2 * log_weights.logsumexp(-1) - (2 * log_weights).logsumexp(-1)).exp()
-            resampled = ess < self.ess_threshold * N
-            if self.ess_threshold >= 1:
-                resampled = torch.ones_like(resampled)
-            ancestors = identity
-            if self.ess_threshold > 0:  # decided in Python: "never" skips the work, nothing else branches
-                particles, ancestors = self._resample(particles, log_weights, resampled)
+            failed = bad.any(0)
+            top = torch.where(failed, 0.0, top)
+            relative = joint.sub_(top[:, None]).masked_fill_(failed[:, None], 0.0)  # a failed filter: uniform
+            # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
+            unnormalised = relative.masked_fill(relative <= flush, -math.inf).exp_()  # the largest is 1
+            total = unnormalised.sum(-1)
+            log_total = total.log()
+            log_evidence = log_evidence + top + log_total
+            log_weights = relative - log_total[:, None]
+            ess = total * total / (unnormalised[:, None, :] @ unnormalised[:, :, None]).flatten()  # one pass
+            ess_all[t] = ess.detach()
+            if resampling:
+                resampled = ess < self.ess_threshold * N
+                if self.ess_threshold >= 1:
+                    resampled = torch.ones_like(resampled)
+                weights = (unnormalised / total[:, None]).detach()
+                particles = self._resample(particles, log_weights, weights, resampled, ancestors_all[t], identity)
                 log_weights = torch.where(resampled[:, None], -math.log(N), log_weights)
-            history["ess"].append(ess.detach())
-            history["ancestors"].append(ancestors)
-            history["resampled"].append(resampled)
+                resampled_all[t] = resampled
         if self.validate:
             _raise_bad_weights(first_bad, never)
         # unvalidated: a filter whose weights went bad reports log-evidence NaN, never a number
         log_evidence = torch.where(first_bad.amin(0) < never, math.nan, log_evidence)
-        empty = torch.zeros(0, B, device=device)
         return SMCResult(
             log_evidence=log_evidence,
             log_weights=log_weights,
             particles=particles,
-            ess=torch.stack(history["ess"]) if num_steps else empty,
-            ancestors=torch.stack(history["ancestors"]) if num_steps else empty.long()[..., None].expand(0, B, N),
-            resampled=torch.stack(history["resampled"]) if num_steps else empty.bool(),
+            ess=ess_all,
+            ancestors=ancestors_all if resampling else identity.expand(num_steps, B, N),
+            resampled=resampled_all,
         )
 
-    def _resample(self, particles, log_weights, resampled):
-        weights = log_weights.detach().exp()
+    def _resample(self, particles, log_weights, weights, resampled, ancestors_out, identity):
+        """The new particles; the ancestors (identity in filters that do not resample) are
+        written into ``ancestors_out``."""
         if self.relaxation is None:
-            ancestors = resample_indices(weights, self.resample, self.generator)
-            ancestors = torch.where(
-                resampled[:, None], ancestors, torch.arange(weights.shape[1], device=weights.device)
-            )
-            return _select(resampled, _gather(particles, ancestors), particles), ancestors
+            drawn = resample_indices(weights, self.resample, self.generator)
+            ancestors = torch.where(resampled[:, None], drawn, identity, out=ancestors_out)
+            return _gather(particles, ancestors)  # the identity rows gather themselves
         B, N = weights.shape
         uniform = torch.rand(B, N, N, device=weights.device, dtype=log_weights.dtype, generator=self.generator)
         gumbel = -(-uniform.clamp(min=1e-20).log()).log()
         scores = log_weights[:, None, :] + gumbel  # row i: the choice of new particle i
         soft = (scores / self.temperature).softmax(-1)
-        ancestors = scores.argmax(-1)
+        hard_choice = scores.argmax(-1)
         if self.relaxation == "straight-through":
-            hard = torch.nn.functional.one_hot(ancestors, N).to(soft.dtype)
+            hard = torch.nn.functional.one_hot(hard_choice, N).to(soft.dtype)
             mixing = hard + soft - soft.detach()
         else:
             mixing = soft
-        ancestors = torch.where(resampled[:, None], ancestors, torch.arange(N, device=weights.device))
-        return _select(resampled, _mix(particles, mixing), particles), ancestors
+        torch.where(resampled[:, None], hard_choice, identity, out=ancestors_out)
+        return _select(resampled, _mix(particles, mixing), particles)
 
     # ---- Pyro state-space models ------------------------------------------------------
 
