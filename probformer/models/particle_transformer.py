@@ -61,6 +61,7 @@ from probformer.models.blocks import (
     refuse_non_finite_weights,
 )
 from probformer.models.config import ConfigMixin
+from probformer.models.pretrained import PretrainedMixin
 
 __all__ = ["ParticleConfig", "ParticleTransformer", "RESAMPLING", "RESAMPLERS", "RELAXATIONS", "draw_ancestors"]
 
@@ -172,7 +173,7 @@ def draw_ancestors(
     return torch.where(mask, ancestors, torch.arange(n, device=mask.device))
 
 
-class ParticleTransformer(nn.Module):
+class ParticleTransformer(nn.Module, PretrainedMixin):
     def __init__(self, config: ParticleConfig, generator: torch.Generator | None = None):
         super().__init__()
         refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter
