@@ -75,6 +75,20 @@ def _raise_bad_weights(first_bad: torch.Tensor, never: int) -> None:
             raise ValueError(f"{kind}: first at step {step}, in filters {filters}")
 
 
+def _first_tensor(particles, where: str) -> torch.Tensor:
+    """The first tensor of a particle state (a tensor, or a non-empty dict of tensors)."""
+    if isinstance(particles, torch.Tensor):
+        return particles
+    if not isinstance(particles, dict):
+        raise TypeError(f"{where} must return particles as a tensor [B, N, ...] or a dict of them, got {particles!r}")
+    if not particles:
+        raise ValueError(f"{where} returned an empty state: a particle state needs at least one tensor [B, N, ...]")
+    for key, value in particles.items():
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            raise TypeError(f"{where}: state[{key!r}] must be a tensor [B, N, ...], got {type(value).__name__}")
+    return next(iter(particles.values()))
+
+
 def _is_real(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -222,7 +236,7 @@ class SMC:
     def _run(self, init: Callable, step: Callable, num_steps: int, batch_size: int) -> SMCResult:
         N = self.num_particles
         particles = init(batch_size)
-        first = particles if not isinstance(particles, dict) else next(iter(particles.values()))
+        first = _first_tensor(particles, "init")
         B, device = first.shape[0], first.device
         dtype = first.dtype if first.dtype.is_floating_point else torch.get_default_dtype()
         if first.shape[1] != N:
@@ -324,8 +338,13 @@ class SMC:
                 raise ValueError("data must be a tensor of observations [T, ...] or [B, T, ...]")
             if batch_size is None:
                 data = data[None]
+            elif data.shape[0] == 1 and batch_size > 1:  # one sequence [1, T, ...]: broadcast to every filter
+                data = data.expand(batch_size, *data.shape[1:])
             elif data.shape[0] != batch_size:
-                raise ValueError(f"data must have shape [batch_size={batch_size}, T, ...], got {tuple(data.shape)}")
+                raise ValueError(
+                    f"data must have shape [batch_size={batch_size}, T, ...] or [1, T, ...] (broadcast), "
+                    f"got {tuple(data.shape)}"
+                )
             B, T = data.shape[:2]
             event_shape = data.shape[2:]
         self._check_batch(B)
@@ -335,6 +354,9 @@ class SMC:
         device = reference.device if reference is not None else None
 
         def flatten(state):
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"model state[{key!r}] must be a tensor, got {type(value).__name__}")
             return {k: v.reshape(B, N, *v.shape[1:]) for k, v in state.items()}
 
         def unflatten(particles):
