@@ -9,7 +9,6 @@ this for a function; a ``graphs.CRF`` declaration has its own float64 eliminatio
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import OrderedDict
 
@@ -24,7 +23,7 @@ def _traces(function, args, kwargs, max_configurations: int):
     from pyro.infer import TraceEnum_ELBO, config_enumerate
 
     enumerated = config_enumerate(function, "parallel")
-    elbo = TraceEnum_ELBO(max_plate_nesting=math.inf)
+    elbo = TraceEnum_ELBO(max_plate_nesting=_plate_nesting(function, args, kwargs))
     with warnings.catch_warnings():  # a continuous latent site is refused by name just below
         warnings.filterwarnings("ignore", "Found vars in model but not guide", UserWarning)
         warnings.filterwarnings("ignore", "TraceEnum_ELBO found no sample sites configured", UserWarning)
@@ -50,6 +49,17 @@ def _traces(function, args, kwargs, max_configurations: int):
                 f"max_configurations={max_configurations}; use smaller supports or raise max_configurations"
             )
     return model_trace, guide_trace, batch
+
+
+def _plate_nesting(function, args, kwargs) -> int:
+    """How many plate dims the function uses: one plain run (as Pyro guesses it, without
+    the log line)."""
+    from pyro import poutine
+
+    with poutine.block():
+        trace = poutine.trace(function).get_trace(*args, **kwargs)
+    dims = [f.dim for s in trace.nodes.values() if s["type"] == "sample" for f in s["cond_indep_stack"] if f.vectorized]
+    return -min(dims) if dims else 0
 
 
 def _empty_guide(*args, **kwargs):
