@@ -41,7 +41,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or action.required or "default" in text:
+        absent = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if absent or action.required or "default" in text:
             return text
         return super()._get_help_string(action)
 
@@ -119,7 +120,7 @@ def build_parser() -> _Parser:
 
     evaluate = _verb(commands, "evaluate", "metric table of a model (a run folder or a checkpoint folder)")
     evaluate.add_argument("model", metavar="MODEL", help="a training-run folder or a checkpoint folder")
-    evaluate.add_argument("--task", required=True, choices=["mlm", "pos", "uas"], help="the metric")
+    evaluate.add_argument("--task", required=True, choices=["mlm", "lm", "pos", "uas"], help="the metric")
     _data_options(evaluate, 0, "evaluate the first N sentences of the split (0: all)", "ptb, or ewt for pos/uas")
 
     diagnose = _verb(
@@ -221,7 +222,7 @@ def run_evaluate(args) -> int:
     from probformer.training import evaluate as evaluation
 
     metrics = evaluation.evaluate(args.model, args.task, args.data, args.split, args.sentences)
-    data = args.data or ("ptb" if args.task == "mlm" else "ewt")
+    data = args.data or ("ewt" if args.task in ("pos", "uas") else "ptb")
     split = args.split or ("valid" if data in ("ptb", "ewt") else "all")
     print(f"{args.task} on {data} ({split}):")
     evaluation.print_table(args.task, metrics)

@@ -50,6 +50,8 @@ def add_commands(commands, **parser_options) -> None:
 
 def run(args) -> int:
     """Run the verb ``args.mup_command`` parsed by ``add_commands``."""
+    if args.mup_command == "neighbourhood" and not Path(args.config).is_file():  # before importing torch
+        raise FileNotFoundError(f"config file {args.config} does not exist")
     import torch
 
     torch.set_num_threads(1)

@@ -1,6 +1,7 @@
 """``probformer evaluate MODEL --task mlm|pos|uas``: the metric table of a trained model.
 
 - mlm: masked-token loss and perplexity (fixed 15% BERT masks) on PTB or EWT or a text file;
+- lm: next-token loss and perplexity of a causal model (FoldedContext), same data;
 - pos: UPOS accuracy of a tagging model on EWT;
 - uas: do the PT's head posteriors agree with syntax? For every channel, the argmax
   head of each word is compared with the gold UD head (a head on the ROOT node counts
@@ -30,7 +31,7 @@ from probformer.training.trainer import evaluate_model, latest_checkpoint
 
 __all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "windows", "encode_windows", "TASKS", "SPLITS"]
 
-TASKS = ("mlm", "pos", "uas")
+TASKS = ("mlm", "lm", "pos", "uas")
 SPLITS = ("train", "valid", "test", "all")
 
 
@@ -149,8 +150,8 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
         raise ValueError(f"--split must be one of {list(SPLITS)}, got {split!r}")
     if isinstance(sentences, bool) or not isinstance(sentences, int) or sentences < 0:
         raise ValueError(f"--sentences must be an integer >= 0, got {sentences!r}")
-    source = source or ("ptb" if task == "mlm" else "ewt")
-    if task != "mlm" and source != "ewt":
+    source = source or ("ptb" if task in ("mlm", "lm") else "ewt")
+    if task in ("pos", "uas") and source != "ewt":
         raise ValueError(f"--task {task} needs --data ewt (gold tags and heads)")
     model, vocabulary = load_any(path)
     if vocabulary is None:
@@ -161,14 +162,12 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
     if task == "uas":
         fits = [t for t in trees if len(t.words) <= max_length]
         return {**attachment_scores(model, vocabulary, fits), "skipped_too_long": len(trees) - len(fits)}
-    if task == "pos":
-        if model.config.task != "tagging":
-            raise ValueError(f"--task pos needs a tagging model, got task {model.config.task!r}")
-        examples, windowed = encode_windows(trees, vocabulary, max_length, _checkpoint_tags(path))
-    else:
-        if model.config.task != "mlm":
-            raise ValueError(f"--task mlm needs an MLM model, got task {model.config.task!r}")
-        examples, windowed = encode_windows(trees, vocabulary, max_length)
+    learned = getattr(model.config, "task", "lm")  # the causal models have no task key: they learn "lm"
+    needed = {"pos": "tagging", "mlm": "mlm", "lm": "lm"}[task]
+    if learned != needed:
+        raise ValueError(f"--task {task} needs a model trained for {needed!r}, got {type(model).__name__} ({learned!r})")
+    tags = _checkpoint_tags(path) if task == "pos" else None
+    examples, windowed = encode_windows(trees, vocabulary, max_length, tags)
     if not examples:
         raise ValueError(f"--data {source} --split {split} holds no sentences to evaluate")
     metrics = evaluate_model(model, examples, task, len(vocabulary))

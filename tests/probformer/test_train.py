@@ -382,7 +382,7 @@ def test_cli_validates_the_whole_config_before_creating_the_run_folder(tmp_path,
     out = tmp_path / "X"
     process = cli("train", "--config", str(config), "--out", str(out), stderr=subprocess.PIPE)
     _, error = process.communicate(timeout=120)
-    assert process.returncode == 1
+    assert process.returncode == 2  # a user error (docs/cli.md)
     assert message in error.decode() and "Traceback" not in error.decode()
     assert not out.exists()
 
