@@ -8,10 +8,10 @@
   as "root"); reported per channel, best channel and mean, beside the trivial
   left-/right-neighbour baselines.
 
-Splits (``read_split``): PTB has train/valid/test, EWT train/valid (its dev file)/test.
-A plain-text file or folder has the trainer's split: its last 5% of lines (at least one)
-are ``valid``, the rest ``train``; ``all`` is every line (a separate test file); it has no
-``test`` split of its own.
+Splits (``read_split``): PTB has train/valid/test, EWT train/valid (its dev file)/test,
+an ``hf:`` dataset its own. A plain-text file or folder has the trainer's split: its last
+5% of lines (at least one) are ``valid``, the rest ``train``; ``all`` is every line (a
+separate test file); it has no ``test`` split of its own.
 
 Sentences longer than the model's ``max_length`` are never dropped: for mlm and pos they
 are cut into consecutive windows of at most ``max_length`` tokens, each token scored
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from probformer.training import checkpoint, data
-from probformer.training.corpus import IGNORE
+from probformer.training.corpus import IGNORE, windows
 from probformer.training.trainer import evaluate_model, latest_checkpoint
 
-__all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "windows", "encode_windows", "TASKS", "SPLITS"]
+__all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "encode_windows", "TASKS", "SPLITS"]
 
 TASKS = ("mlm", "lm", "pos", "uas")
 SPLITS = ("train", "valid", "test", "all")
@@ -50,9 +50,10 @@ def load_any(path):
 
 def read_split(source: str, split: str | None = None) -> tuple[list, str]:
     """The sentences of ``split`` of a data source and the split's name: PTB and EWT
-    (``TreebankSentence``, with tags and heads) by their own splits, a text file or folder
-    (lists of words) by the trainer's held-out slice. ``split=None`` is ``valid`` for
-    PTB and EWT, ``all`` for text."""
+    (``TreebankSentence``, with tags and heads) by their own splits; a text file or folder
+    or ``hf:...`` (lists of words) by the trainer's splits (``data.text_splits``: a Hugging
+    Face dataset's own, else the last 5% of lines validate), ``all`` every line.
+    ``split=None`` is ``valid`` for PTB, EWT and ``hf:``, ``all`` for a text file or folder."""
     if split is not None and split not in SPLITS:
         raise ValueError(f"--split must be one of {list(SPLITS)}, got {split!r}")
     if source in ("ptb", "ewt"):
@@ -62,22 +63,16 @@ def read_split(source: str, split: str | None = None) -> tuple[list, str]:
         if source == "ptb":
             return data.ptb_sentences(split), split
         return data.read_conllu(data.ewt_path("dev" if split == "valid" else split)), split
-    split = split or "all"
+    split = split or ("valid" if source.startswith("hf:") else "all")
     if split == "all":
         return [line.split() for line in data.text_lines(source)], split
-    splits = data.text_splits(source)  # the trainer's splits (an hf: dataset's own, when it has them)
+    splits = data.text_splits(source)
     if split not in splits:
         raise ValueError(
-            f"--data {source}: a text file or folder has no test split (its splits are train, valid = the last "
-            f"5% of lines, as in training, and all); pass the test text as its own file with --split all"
+            f"--data {source} has no {split} split (a text file or folder has train and valid = its last 5% of "
+            f"lines, as in training, and all); pass the {split} text as its own file with --split all"
         )
     return [line.split() for line in splits[split]], split
-
-
-def windows(ids: list, max_length: int) -> list[list]:
-    """``ids`` cut into consecutive windows of at most ``max_length`` items (one window
-    when it fits): every token is scored once, with the context of its window."""
-    return [ids[start : start + max_length] for start in range(0, len(ids), max_length)] or [ids]
 
 
 def encode_windows(sentences, vocabulary, max_length, tags=None) -> tuple[list, int]:
@@ -92,9 +87,7 @@ def encode_windows(sentences, vocabulary, max_length, tags=None) -> tuple[list, 
             continue
         labels = [tag_index.get(t, IGNORE) for t in sentence.upos] if tags else None
         windowed += len(ids) > max_length
-        pieces = windows(ids, max_length)
-        label_pieces = windows(labels, max_length) if labels is not None else [None] * len(pieces)
-        examples.extend(zip(pieces, label_pieces, strict=True))
+        examples.extend(windows(ids, labels, max_length))
     return examples, windowed
 
 
@@ -165,7 +158,9 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
     learned = getattr(model.config, "task", "lm")  # the causal models have no task key: they learn "lm"
     needed = {"pos": "tagging", "mlm": "mlm", "lm": "lm"}[task]
     if learned != needed:
-        raise ValueError(f"--task {task} needs a model trained for {needed!r}, got {type(model).__name__} ({learned!r})")
+        raise ValueError(
+            f"--task {task} needs a model trained for {needed!r}, got {type(model).__name__} ({learned!r})"
+        )
     tags = _checkpoint_tags(path) if task == "pos" else None
     examples, windowed = encode_windows(trees, vocabulary, max_length, tags)
     if not examples:

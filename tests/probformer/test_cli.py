@@ -6,7 +6,6 @@ in windows. The end-to-end run of every verb on a freshly trained model is slow.
 import argparse
 import importlib.metadata
 import json
-import math
 import os
 import subprocess
 import sys
@@ -246,14 +245,6 @@ def test_text_splits_are_the_trainers(tmp_path):
     trained = corpus.prepare_corpus(run_config.DataConfig(source=str(text), vocabulary=60))
     valid, _ = evaluation.read_split(str(text), "valid")
     assert [ids for ids, _ in trained.valid] == [trained.vocabulary.encode(words) for words in valid]
-
-
-@given(ids=st.lists(st.integers(0, 9), max_size=40), max_length=st.integers(1, 12))
-def test_windows_cover_every_token_once(ids, max_length):
-    pieces = evaluation.windows(ids, max_length)
-    assert [token for piece in pieces for token in piece] == ids
-    assert all(0 < len(piece) <= max_length for piece in pieces) or ids == []
-    assert len(pieces) == max(1, math.ceil(len(ids) / max_length))
 
 
 def test_long_sentences_are_scored_in_windows_not_dropped(tmp_path):
