@@ -228,6 +228,11 @@ class Trainer:
 
     def _check_resumable(self, saved: dict) -> None:
         now = self.config.to_dict()
+        try:  # a run.json from before a key existed: the key's default is what that run used
+            tables = {table: saved[table] for table in ("model", "data", "train") if table in saved}
+            saved = run_config.RunConfig.from_dict(tables).to_dict()
+        except ValueError:
+            pass  # a key since removed or renamed: compared as written (and so reported as changed)
         changed = [
             f"{table}.{key}"
             for table in ("model", "data", "train")

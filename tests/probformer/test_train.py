@@ -106,6 +106,22 @@ def test_resume_refuses_a_changed_config(tmp_path):
         Trainer(run_config.load(longer), tmp_path / "run")
 
 
+def test_resume_of_a_run_from_before_a_config_key_existed(tmp_path):
+    """A run.json written before a key was added (so without it) resumes when the key is at
+    its default, and is refused when the key is set to something else."""
+    config = write_config(tmp_path, steps=2)
+    train(config, tmp_path / "run", progress=False)
+    saved = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert saved["data"].pop("long_sentences") == "error"  # as if written before data.long_sentences
+    (tmp_path / "run" / "run.json").write_text(json.dumps(saved))
+    longer = write_config(tmp_path, name="longer.toml", steps=3)
+    assert train(longer, tmp_path / "run", resume=True, progress=False)["steps"] == 3
+    (tmp_path / "run" / "run.json").write_text(json.dumps(saved))
+    (tmp_path / "other.toml").write_text(longer.read_text().replace("[data]", '[data]\nlong_sentences = "windows"'))
+    with pytest.raises(ValueError, match="data.long_sentences"):
+        Trainer(run_config.load(tmp_path / "other.toml"), tmp_path / "run", resume=True)
+
+
 def test_ddp_two_processes_give_the_single_process_loss_curve(tmp_path):
     config = write_config(tmp_path, dropout=0.0, steps=6)
     single = tmp_path / "single"
