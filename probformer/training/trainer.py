@@ -352,6 +352,9 @@ class Trainer:
                 f"{self.total_steps} steps; {self.world} process(es) -> {self.out}",
                 flush=True,
             )
+            if any(self.corpus.windowed.values()):
+                cut = ", ".join(f"{count} {split}" for split, count in self.corpus.windowed.items() if count)
+                print(f"sentences longer than data.max_length, cut into windows: {cut}", flush=True)
         progress = Progress(self.total_steps, self.step, self.progress, every=PROGRESS_EVERY)
         try:
             summary = self._loop(progress)
@@ -424,6 +427,7 @@ class Trainer:
             "tokens": self.tokens_seen,
             "seconds": self.elapsed,
             "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9),
+            "windowed_sentences": dict(self.corpus.windowed),  # cut into max_length windows, per split
             "valid": final,
         }
         checkpointing.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))

@@ -128,5 +128,8 @@ def test_a_model_trains_on_a_saved_dataset_with_long_lines_windowed(tmp_path):
     (tmp_path / "run.toml").write_text(CONFIG.format(saved=saved))
     summary = train(tmp_path / "run.toml", tmp_path / "run", progress=False)
     assert summary["steps"] == 2 and math.isfinite(summary["valid"]["loss"])
+    # the one validation line has 9 words (>= 9 pieces) at max_length 6: cut, counted, reported
+    assert summary["windowed_sentences"]["validation"] == 1
+    assert summary["windowed_sentences"]["training"] >= sum(len(line.split()) > 6 for line in lines)
     assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()
     assert json.loads((tmp_path / "run" / "run.json").read_text())["data_sha256"]  # the text is fingerprinted
