@@ -230,6 +230,8 @@ class MeanField(nn.Module):
         # the span as a fraction of span_max (an optimiser step moves it by ~lr of the range,
         # as in Sukhbaatar et al.); spans start at the maximum, the span penalty shrinks them
         self.span = nn.Parameter(torch.ones(crf.channels)) if span else None
+        if not any(p.is_meta for p in crf.parameters()):
+            self.fused_compute_dtype(1.0)  # the score bound, read once now: a compiled graph uses it
         heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential" or span
         if kernel == "fused" and heads_need_naive:
             raise ValueError(
@@ -325,21 +327,22 @@ class MeanField(nn.Module):
 
         The bound is a host sync, so it is recomputed only when a parameter changed (its
         version counter, a host-side number), e.g. once per optimiser step, never per
-        forward of a fixed model; under torch.compile / export the last value is used."""
-        try:
-            state = tuple((id(p), p._version) for p in self.crf.parameters())
-        except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
-            state = None
+        forward of a fixed model; under torch.compile / export the last value read eagerly
+        (at construction at the latest) is used."""
         cached = getattr(self, "_score_bound_cache", None)
-        if state is None or cached is None or cached[0] != state:
-            if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-                bound = cached[1] if cached is not None else 0.0
-            else:
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            bound = cached[1] if cached is not None else 0.0  # a traced graph reads no version counter
+        else:
+            try:
+                state = tuple((id(p), p._version) for p in self.crf.parameters())
+            except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
+                state = None
+            if state is None or cached is None or cached[0] != state:
                 with torch.no_grad():
                     bound = float(head_kernels.score_bound(self.crf.ternary_u, self.crf.ternary_v))
                 self._score_bound_cache = (state, bound)
-        else:
-            bound = cached[1]
+            else:
+                bound = cached[1]
         return torch.float64 if abs(scale) * bound > _FUSED_FLOAT32_MAX_SCORE else None
 
     def heads(self, query, key, value, value_rev, structure, kernel, previous=None):
