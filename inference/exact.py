@@ -75,8 +75,8 @@ class Exact:
             self.crf, self.function = None, model
         else:
             raise TypeError(
-                f"model (crf) must be a graphs.CRF or a Pyro function with enumerable latent sites, "
-                f"got {type(model).__name__}"
+                f"crf must be a graphs.CRF, got {type(model).__name__} (Exact also takes a Pyro function whose "
+                f"latent sites are discrete and enumerable)"
             )
 
     def __call__(self, *args, **kwargs):
