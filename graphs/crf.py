@@ -264,11 +264,24 @@ class CRF(nn.Module):
     def _check_reads(self, source: str) -> None:
         reads = "token ids" if self.embedding_size is None else "embeddings"
         if source != reads:
-            fix = "embeddings=x [B, n, D] (MeanField)" if reads == "embeddings" else "token ids"
+            fix = "embeddings=x [B, n, D] (MeanField, Exact)" if reads == "embeddings" else "token ids"
             raise ValueError(
                 f"this CRF reads {reads} (vocab_size={self.vocab_size}, embedding_size={self.embedding_size}), "
                 f"not {source}: pass {fix}"
             )
+
+    def check_any(self, tokens=None, mask=None, embeddings=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, mask)``: token ids checked by ``check_inputs``, or (``embeddings=``, for a
+        CRF with ``embedding_size``) embeddings checked by ``check_embeddings``."""
+        if embeddings is None:
+            return self.check_inputs(tokens, mask)
+        if tokens is not None:
+            raise ValueError("give tokens or embeddings, not both")
+        return self.check_embeddings(embeddings, mask)
+
+    def input_table(self, inputs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, N, d]`` unary log-potentials of checked inputs (``unary_table`` or ``embedding_table``)."""
+        return self.unary_table(inputs, mask) if self.embedding_size is None else self.embedding_table(inputs, mask)
 
     def check_embeddings(self, embeddings, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate embeddings ``[B, n, D]`` (floating) and their mask; returns ``(x, mask)``."""
@@ -397,7 +410,7 @@ class CRF(nn.Module):
         built_in = [Unary()] + ([Global()] if self.global_labels else []) + [Ternary()]
         return built_in + list(self.factors)
 
-    def model(self, tokens, mask=None):
+    def model(self, tokens=None, mask=None, embeddings=None):
         """The CRF as a Pyro model, generated from its templates: one enumerable
         ``Categorical`` site per variable (``z_i``, ``h_c_i``, ``g_i``; ``infer["variable"]``
         is "Z", "H" or "G") and factor sites written by each template (``infer["template"]``
@@ -407,16 +420,18 @@ class CRF(nn.Module):
         number of values, so the model's evidence is exactly the CRF's partition
         function. Padded tokens get no factors (their sites integrate to one) and are
         never heads; a node with no legal head in a channel gets no head site.
+        ``embeddings [B, n, D]`` instead of ``tokens`` for a CRF with ``embedding_size``.
         """
         import pyro  # the declaration needs Pyro; the tensors (potentials, masks) do not
         import pyro.distributions as dist
 
         self._check_factor_graph()
-        tokens, mask = self.check_inputs(tokens, mask)
+        inputs, mask = self.check_any(tokens, mask, embeddings)
         self.check_parameters()
-        B, n = tokens.shape
+        B, n = mask.shape
         N, d = self.topology.num_nodes(n), self.labels
-        scope = ModelScope(tokens, mask, self.node_mask(mask), self.arc_mask(mask))
+        unary = self.input_table(inputs, mask)
+        scope = ModelScope(inputs, mask, self.node_mask(mask), self.arc_mask(mask), unary)
         logits = self.unary.new_zeros(B, d)
         with pyro.plate("batch", B, dim=-1):
             for i in range(N):
@@ -427,13 +442,15 @@ class CRF(nn.Module):
 
 @dataclass
 class ModelScope:
-    """What templates read while they write ``CRF.model``: the checked batch, its node and
-    arc masks, and the label sites ``z`` (one per node, enumerated or sampled)."""
+    """What templates read while they write ``CRF.model``: the checked inputs (token ids
+    ``[B, n]`` or embeddings ``[B, n, D]``), their mask, the node and arc masks, the unary
+    table ``[B, N, d]``, and the label sites ``z`` (one per node, enumerated or sampled)."""
 
-    tokens: torch.Tensor
+    inputs: torch.Tensor
     mask: torch.Tensor
     nodes: torch.Tensor
     arcs: torch.Tensor
+    unary: torch.Tensor
     z: list = field(default_factory=list)
 
 

@@ -22,7 +22,8 @@ and each variable site its kind (``infer["variable"]``: ``"Z"``, ``"H"`` or ``"G
 trace says where every term came from and engines can check that they compile all of it
 (``inference.declaration``).
 
-Shapes: ``tokens [B, n]``, ``mask [B, n]`` (True for real tokens), ``z [B, N]`` labels of
+Shapes: ``tokens [B, n]`` (the CRF's inputs: token ids, or embeddings ``[B, n, D]`` for a
+CRF with ``embedding_size``), ``mask [B, n]`` (True for real tokens), ``z [B, N]`` labels of
 every node and ``q [B, N, d]`` label marginals, N = n + the topology's virtual nodes
 (N = n for topologies without virtual nodes). Padded nodes hold label 0 (``z``) or a zero
 row (``q``): a factor should ignore them, as the built-ins do, by reading ``mask``.
@@ -91,12 +92,13 @@ class Factor(nn.Module):
         z = torch.stack(torch.broadcast_tensors(*scope.z), dim=-1)  # [*enum, B, N]
         z = z.masked_fill(~scope.nodes, 0)  # padded nodes read as label 0, as in CRF.log_potential
         lead = z.shape[:-2]
-        B, n = scope.tokens.shape
+        inputs, B = scope.inputs, scope.mask.shape[0]
         flat_z = z.reshape(-1, z.shape[-1])
         repeat = flat_z.shape[0] // B
-        tokens = scope.tokens.expand(*lead, B, n).reshape(-1, n) if repeat > 1 else scope.tokens
-        mask = scope.mask.expand(*lead, B, n).reshape(-1, n) if repeat > 1 else scope.mask
-        value = self.log_potential(flat_z, tokens, mask)
+        if repeat > 1:  # every enumerated labelling of a sentence sees that sentence's inputs
+            inputs = inputs.expand(*lead, *inputs.shape).reshape(-1, *inputs.shape[1:])
+        mask = scope.mask.expand(*lead, *scope.mask.shape).reshape(-1, scope.mask.shape[1])
+        value = self.log_potential(flat_z, inputs, mask)
         if not isinstance(value, torch.Tensor) or value.shape != (flat_z.shape[0],):
             raise ValueError(
                 f"{self.template}.log_potential must return a tensor of shape [B] = [{flat_z.shape[0]}], "
@@ -176,7 +178,7 @@ class Pairwise(Factor):
     def add_to_model(self, crf, scope) -> None:
         from pyro.ops.indexing import Vindex
 
-        n = scope.tokens.shape[1]
+        n = scope.mask.shape[1]
         arcs = self.arcs(scope.mask)
         groups = self._groups(n).tolist()
         zero = self.table.new_zeros(())
@@ -205,7 +207,7 @@ class Unary(_BuiltIn):
     def add_to_model(self, crf, scope) -> None:
         from pyro.ops.indexing import Vindex
 
-        unary = crf.unary_table(scope.tokens, scope.mask)
+        unary = scope.unary
         rows = torch.arange(unary.shape[0], device=unary.device)
         zero = unary.new_zeros(())
         for i, z_i in enumerate(scope.z):
@@ -223,9 +225,9 @@ class Global(_BuiltIn):
         import pyro.distributions as dist
         from pyro.ops.indexing import Vindex
 
-        G, B = crf.global_labels, scope.tokens.shape[0]
+        G, B = crf.global_labels, scope.mask.shape[0]
         zero = crf.binary.new_zeros(())
-        for i in range(scope.tokens.shape[1]):
+        for i in range(scope.mask.shape[1]):
             logits = crf.binary.new_zeros(B, G)
             g_i = pyro.sample(f"g_{i}", dist.Categorical(logits=logits), infer={"variable": "G"})
             score = Vindex(crf.binary)[g_i, scope.z[i]] + math.log(G)
@@ -243,7 +245,7 @@ class Ternary(_BuiltIn):
         import pyro
         import pyro.distributions as dist
 
-        n = scope.tokens.shape[1]
+        n = scope.mask.shape[1]
         table, groups = crf.ternary_tensor(), crf.distance_groups(n).tolist()
         arcs, z, dtype = scope.arcs, scope.z, table.dtype
         zero = table.new_zeros(())

@@ -84,14 +84,15 @@ class Exact:
 
     def log_partition(self, *args, **kwargs) -> torch.Tensor:
         """The log of the model's total unnormalised mass, float64. A declaration:
-        ``log_partition(tokens, mask=None)`` -> ``[B]``, log Z of each sentence. A function:
+        ``log_partition(tokens, mask=None)`` (or ``embeddings=x`` for a CRF with ``embedding_size``)
+        -> ``[B]``, log Z of each sentence. A function:
         ``log_partition(*args, **kwargs)`` (its own arguments) -> ``[B]`` over its outermost
         plate (the plate every sample site is in), a scalar if it has none."""
         if self.function is not None:
             from inference import enumeration  # Pyro's machinery, for any function
 
             return enumeration.log_partition(self.function, args, kwargs, self.max_configurations)
-        factors, _, letters = self._factors(*_tokens_and_mask(*args, **kwargs))
+        factors, _, letters = self._factors(*self.crf.check_any(*args, **kwargs))
         return _eliminate(factors, letters)
 
     def marginals(self, *args, **kwargs):
@@ -103,14 +104,13 @@ class Exact:
             from inference import enumeration
 
             return enumeration.marginals(self.function, args, kwargs, self.max_configurations)
-        return self._declaration_marginals(*args, **kwargs)
+        return self._declaration_marginals(*self.crf.check_any(*args, **kwargs))
 
-    def _declaration_marginals(self, tokens, mask=None) -> Posterior:
+    def _declaration_marginals(self, inputs, mask) -> Posterior:
         """A zero "probe" factor is added on every site's own dimension; the gradient of
         log Z with respect to it is that site's marginal."""
-        tokens, mask = self.crf.check_inputs(tokens, mask)
-        factors, sites, letters = self._factors(tokens, mask)
-        B = tokens.shape[0]
+        factors, sites, letters = self._factors(inputs, mask)
+        B = mask.shape[0]
         with torch.enable_grad():
             factors = [f.detach() for f in factors]
             probes = {}
@@ -124,7 +124,7 @@ class Exact:
         dtype = self.crf.unary.dtype  # probabilities need no float64 range: back to the CRF's dtype
         probs = {name: grad.T.to(dtype) for name, grad in zip(probes, grads)}  # [B, size]
 
-        n = tokens.shape[1]
+        n = mask.shape[1]
         N, C = self.crf.topology.num_nodes(n), self.crf.channels
         nodes = self.crf.node_mask(mask)
         has_head = self.crf.arc_mask(mask).any(-1)  # [B, N]
@@ -139,15 +139,14 @@ class Exact:
             g = torch.stack([probs[f"g_{i}"] for i in range(n)], dim=1) * mask[..., None]
         return Posterior(z=z, h=h, g=g, log_partition=log_z.detach())
 
-    def _factors(self, tokens, mask):
+    def _factors(self, inputs, mask):
         """Trace the enumerated model; return its log-factors with einsum letters.
 
         Every factor is expanded along the batch plate (dim -1) so that each
         enumerated variable is per-sentence; size-1 enumeration dims are dropped.
         Returns (factors, {site name: its letter}, [letters of each factor]).
         """
-        tokens, mask = self.crf.check_inputs(tokens, mask)
-        B, n = tokens.shape
+        B, n = mask.shape
         N = self.crf.topology.num_nodes(n)
         configurations = self.crf.labels**N
         if configurations > self.max_configurations:
@@ -157,7 +156,7 @@ class Exact:
                 f"{configurations} label configurations, above max_configurations="
                 f"{self.max_configurations}; use shorter inputs, fewer labels, or inference.Gibbs"
             )
-        trace = _trace_in_float64(self.crf, tokens, mask)
+        trace = _trace_in_float64(self.crf, inputs, mask)
 
         factors, letters, sites = [], [], {}
         for name, site in trace.nodes.items():
@@ -185,14 +184,17 @@ class _EnumeratedModel(nn.Module):
         super().__init__()
         self.crf = crf
 
-    def forward(self, tokens, mask):
+    def forward(self, inputs, mask):
         model = poutine.enum(config_enumerate(self.crf.model, "parallel"), first_available_dim=-2)
-        trace = poutine.trace(model).get_trace(tokens, mask)
+        if self.crf.embedding_size is None:
+            trace = poutine.trace(model).get_trace(inputs, mask)
+        else:
+            trace = poutine.trace(model).get_trace(None, mask, embeddings=inputs)
         trace.compute_log_prob()
         return trace
 
 
-def _trace_in_float64(crf, tokens, mask):
+def _trace_in_float64(crf, inputs, mask):
     """Trace of the enumerated model with every floating parameter and buffer cast up to
     float64 (differentiably): the potentials (e.g. the ternary table u v^T) are then built
     and summed without float32 rounding."""
@@ -200,7 +202,9 @@ def _trace_in_float64(crf, tokens, mask):
         f"crf.{name}": t.double() if t.is_floating_point() else t
         for name, t in [*crf.named_parameters(), *crf.named_buffers()]
     }
-    return torch.func.functional_call(_EnumeratedModel(crf), wide, (tokens, mask))
+    if inputs.is_floating_point():  # embeddings meet the float64 unary table
+        inputs = inputs.double()
+    return torch.func.functional_call(_EnumeratedModel(crf), wide, (inputs, mask))
 
 
 def _eliminate(factors: list[torch.Tensor], letters: list[str]) -> torch.Tensor:
@@ -273,10 +277,6 @@ def _log_sum_product(factors: list[torch.Tensor], letters: list[str], out: str) 
         total = (shift + safe_log((total - shift).exp().sum(summed, keepdim=True))).squeeze(summed)
     kept = [x for x in joint if x in out]
     return total.permute([kept.index(x) for x in out])
-
-
-def _tokens_and_mask(tokens, mask=None):
-    return tokens, mask
 
 
 def _letter(dim: int) -> str:

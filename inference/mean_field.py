@@ -462,15 +462,7 @@ class MeanField(nn.Module):
         tokens, mask, structure = self.structure(tokens, mask, embeddings)
         kernel = self.resolved_kernel(structure.nodes.shape[1], tokens.device)
         factors = getattr(self.crf, "factors", ())
-        if embeddings is not None:
-            if len(factors):
-                raise ValueError(
-                    f"extra factors {[f.name for f in factors]} read token ids: MeanField on embeddings does not "
-                    f"compile them yet; engines that can: MeanField, Exact, Gibbs on token ids"
-                )
-            unary = self.crf.embedding_table(tokens, mask)
-        else:
-            unary = self.crf.unary_table(tokens, mask)
+        unary = self.crf.input_table(tokens, mask)  # tokens: the checked token ids or embeddings
         terms = FactorTerms(factors, tokens, mask, structure.nodes.shape[1]) if len(factors) else None
         if self.schedule == "sequential":
             logits, last, history, extra = self._sequential(unary, mask, structure, kernel, terms)

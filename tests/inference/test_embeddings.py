@@ -59,3 +59,43 @@ def test_embedding_and_token_inputs_are_refused_where_they_do_not_belong():
         inference.MeanField(by_embedding)(embeddings=torch.zeros(1, 2, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="this CRF reads embeddings"):
         inference.Exact(by_embedding).log_partition(torch.tensor([[1, 2]]))
+
+
+class EmbeddingGate(graphs.Factor):
+    """A user factor that reads the embeddings: label 1 scores the first coordinate of x_i."""
+
+    def log_potential(self, z, inputs, mask):
+        n = inputs.shape[1]
+        return ((z[:, :n] == 1) * inputs[..., 0] * mask).sum(-1)
+
+    def expected_log_potential(self, q, inputs, mask):
+        n = inputs.shape[1]
+        return (q[:, :n, 1] * inputs[..., 0] * mask).sum(-1)
+
+
+def test_exact_on_one_hot_embeddings_equals_exact_on_token_ids():
+    by_id, by_embedding = twin_crfs(topology="window(1)")
+    tokens = torch.tensor([[1, 6, 3], [2, 5, 4]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        expected = inference.Exact(by_id)(tokens, mask)
+        found = inference.Exact(by_embedding)(embeddings=F.one_hot(tokens, 7).float(), mask=mask)
+    assert torch.equal(found.log_partition, expected.log_partition) and torch.equal(found.z, expected.z)
+
+
+def test_mean_field_elbo_on_embeddings_with_extra_factors_is_below_exact_log_z():
+    torch.manual_seed(3)
+    crf = graphs.CRF(
+        embedding_size=5,
+        labels=2,
+        channels=1,
+        rank=2,
+        topology="window(1)",
+        factors=[graphs.factors.Pairwise(2, "chain()"), EmbeddingGate()],
+    ).double()
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        log_z = inference.Exact(crf).log_partition(embeddings=x, mask=mask)
+        post = inference.MeanField(crf, iterations=30, schedule="sequential")(embeddings=x, mask=mask)
+    assert (post.elbo <= log_z + 1e-9).all()
