@@ -9,7 +9,9 @@ resampling every 2 blocks) with ``model.resampling`` and ``model.ess_threshold``
 measures on the first ``--sentences`` PTB validation sentences in eval mode: per layer
 the mean cosine and effective rank of the token states
 (probformer.diagnostics.diversity), the mean ESS/n before resampling, the fraction of
-sentences resampled and, for "copy", the fraction of real tokens that left no offspring.
+sentences resampled and the fraction of real tokens named by no slot ("killed": for
+"copy" the tokens that left no offspring; for "mix", which kills nothing, the tokens no
+position drew as its source).
 The trainer's final validation perplexity is over the whole validation set.
 Runs go to runs/benchmarks/particle-resampling/; results to
 docs/benchmarks/particle_resampling.json (mean and sd over seeds per mode).

@@ -122,9 +122,10 @@ def test_bad_tokens():
         model(torch.zeros(1, 33, dtype=torch.long))
 
 
-def test_compiled_model_equals_eager():
+@pytest.mark.parametrize("resampling", ["mix", pytest.param("copy", marks=pytest.mark.slow)])
+def test_compiled_model_equals_eager(resampling):
     torch.manual_seed(5)
-    model = ParticleTransformer(small(ess_threshold=0.5)).eval()
+    model = ParticleTransformer(small(ess_threshold=0.5, resampling=resampling)).eval()
     tokens = torch.randint(0, 40, (2, 10))
     compiled = torch.compile(lambda t: model(t)[0], fullgraph=True)
     torch.testing.assert_close(compiled(tokens), model(tokens)[0], atol=1e-5, rtol=1e-5)
