@@ -12,7 +12,8 @@ before the kill is drawn again (it tested nothing). Then
 ``probformer train --resume`` (a second subprocess) finishes the run, and the trial
 counts as identical when the final weights (``model/model.safetensors``) are equal
 byte for byte to an uninterrupted run's and ``metrics.jsonl`` is equal line for line
-once the wall-clock fields (``elapsed``, ``tokens_per_second``) are dropped, with
+once the wall-clock fields (``elapsed``, ``tokens_per_second``) are dropped (and so is
+``metrics.csv``, row for row), with
 no temporary file or folder left behind.
 
 Where each kill landed is read from what it left on disk: a temporary checkpoint
@@ -55,11 +56,15 @@ def start(config: Path, run: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def comparable(run: Path) -> tuple[bytes, list[dict]]:
+def comparable(run: Path) -> tuple[bytes, list[dict], list[dict]]:
+    """The final weights, metrics.jsonl and metrics.csv, wall-clock fields dropped."""
+    import csv
+
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return (run / "model" / "model.safetensors").read_bytes(), [
-        {k: v for k, v in r.items() if k not in WALL_CLOCK_KEYS} for r in records
-    ]
+    with open(run / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    drop = lambda record: {k: v for k, v in record.items() if k not in WALL_CLOCK_KEYS}  # noqa: E731
+    return (run / "model" / "model.safetensors").read_bytes(), [drop(r) for r in records], [drop(r) for r in rows]
 
 
 def where_killed(run: Path) -> str:
@@ -136,6 +141,8 @@ def trial(index: int, folder: Path, config: Path, expected, duration: float, see
             why.append("final weights differ")
         if got[1] != expected[1]:
             why.append("metrics differ")
+        if got[2] != expected[2]:
+            why.append("metrics.csv differs")
         if leftovers(run):
             why.append(f"left behind: {leftovers(run)}")
         if not why:
