@@ -65,7 +65,6 @@ GLOBAL_MEMORIES = ("dense", "product_key")
 # (graphs cannot import probformer; probformer imports graphs).
 LIMITS: dict[str, int] = {
     "vocab_size": 2**24,
-    "embedding_size": 2**24,
     "labels": 2**16,
     "channels": 2**10,
     "rank": 2**14,
@@ -74,6 +73,7 @@ LIMITS: dict[str, int] = {
     "ternary_blocks": 2**10,
 }
 MAX_PARAMETERS = 2**31  # all the CRF's parameters together: 8 GiB of float32
+MAX_EMBEDDING_SIZE = 2**24  # D of CRF(embedding_size=D): rows of the unary table, as vocab_size
 
 
 class CRF(nn.Module):
@@ -119,7 +119,7 @@ class CRF(nn.Module):
                 f"got vocab_size={vocab_size!r}, embedding_size={embedding_size!r}"
             )
         if embedding_size is not None:
-            _check_int("embedding_size", embedding_size, minimum=1)
+            _check_int("embedding_size", embedding_size, minimum=1, maximum=MAX_EMBEDDING_SIZE)
         else:
             _check_int("vocab_size", vocab_size, minimum=1)
         _check_int("labels", labels, minimum=1)
@@ -477,8 +477,8 @@ def _check_factors(crf, extra) -> list:
     return list(extra)
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    maximum = LIMITS[name]
+def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    maximum = LIMITS[name] if maximum is None else maximum
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
 
