@@ -106,11 +106,13 @@ class Gibbs:
                 f"reduce num_samples or num_chains, or sample fewer or shorter sentences"
             )
 
-    def __call__(self, tokens, mask=None) -> Posterior:
+    def __call__(self, tokens=None, mask=None, embeddings=None) -> Posterior:
         """The empirical marginals z, h, g (``sample(...).marginals``)."""
-        return self.sample(tokens, mask).marginals
+        return self.sample(tokens, mask, embeddings).marginals
 
-    def sample(self, tokens, mask=None) -> GibbsResult:
+    def sample(self, tokens=None, mask=None, embeddings=None) -> GibbsResult:
+        """Draws for token ids ``tokens [B, n]``, or ``embeddings [B, n, D]`` for a CRF with
+        ``embedding_size``."""
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
         import jax.numpy as jnp
@@ -119,14 +121,14 @@ class Gibbs:
         from numpyro.infer import MCMC, DiscreteGibbs
 
         crf = self.crf
-        tokens, mask = crf.check_inputs(tokens, mask)
+        tokens, mask = crf.check_any(tokens, mask, embeddings)  # tokens: the checked ids or embeddings
         crf.check_parameters()
-        B, n = tokens.shape
+        B, n = mask.shape
         N, d, C, G = crf.topology.num_nodes(n), crf.labels, crf.channels, crf.global_labels
         self._check_draw_size(B * (N * d + C * N * N + n * G))
         with torch.no_grad():
             arcs_t = crf.arc_mask(mask)
-            unary = jnp.asarray(crf.unary_table(tokens, mask).double().cpu().numpy())
+            unary = jnp.asarray(crf.input_table(tokens, mask).double().cpu().numpy())
             table = jnp.asarray(crf.ternary_tensor().double().cpu().numpy())  # [K, C, d, d]
             binary = jnp.asarray(crf.binary.double().cpu().numpy()) if G else None
         arcs = jnp.asarray(arcs_t.cpu().numpy())
@@ -255,8 +257,9 @@ def _extra_term(factor, tokens, mask, nodes, dtype):
         lead = z.shape[:-2]
         flat = z.reshape(-1, z.shape[-1])
         repeat = flat.shape[0] // tokens.shape[0]
+        inputs = tokens.repeat(repeat, *[1] * (tokens.dim() - 1))  # token ids [B', n] or embeddings [B', n, D]
         with torch.no_grad():
-            value = factor.log_potential(flat, tokens.repeat(repeat, 1), mask.repeat(repeat, 1))
+            value = factor.log_potential(flat, inputs, mask.repeat(repeat, 1))
         return value.double().reshape(*lead, -1).sum(-1).numpy().astype(dtype)
 
     def user(z):

@@ -99,3 +99,17 @@ def test_mean_field_elbo_on_embeddings_with_extra_factors_is_below_exact_log_z()
         log_z = inference.Exact(crf).log_partition(embeddings=x, mask=mask)
         post = inference.MeanField(crf, iterations=30, schedule="sequential")(embeddings=x, mask=mask)
     assert (post.elbo <= log_z + 1e-9).all()
+
+
+@pytest.mark.slow  # JAX compiles the sampler and the callback: ~10 s idle
+def test_gibbs_on_embeddings_with_a_user_factor_agrees_with_exact():
+    torch.manual_seed(4)
+    crf = graphs.CRF(embedding_size=4, labels=2, channels=1, rank=2, topology="window(1)", factors=[EmbeddingGate()])
+    x = 2 * torch.randn(2, 3, 4)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        exact = inference.Exact(crf)(embeddings=x, mask=mask)
+    result = inference.Gibbs(crf, num_samples=1500, num_warmup=200, seed=1).sample(embeddings=x, mask=mask)
+    p = exact.z.double()
+    se = torch.sqrt((p * (1 - p)).clamp(min=0) / result.effective_sample_size.z).clamp(min=1e-6)
+    assert ((result.marginals.z - p).abs() / se).max() < 4 and result.rhat < 1.05
