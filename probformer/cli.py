@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from probformer.mup import commands as mup_commands
+from probformer.mup.commands import HelpFormatter  # the mup verbs' formatter, shared
 
 __all__ = ["main", "build_parser", "version"]
 
@@ -38,18 +39,6 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` for options with a real default (not for required options,
-    flags or options whose help says what an absent value means)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        absent = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if absent or action.required or "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse's errors as one line, ``PROG: error: MESSAGE``, exit status 2 (argparse
     prints the usage first)."""
@@ -59,7 +48,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _verb(commands, name: str, help: str, description: str | None = None, **options) -> _Parser:
-    return commands.add_parser(name, help=help, description=description or help, formatter_class=_Formatter, **options)
+    return commands.add_parser(
+        name, help=help, description=description or help, formatter_class=HelpFormatter, **options
+    )
 
 
 def _debug_option(parser) -> None:
@@ -89,7 +80,7 @@ def build_parser() -> _Parser:
     parser = _Parser(
         prog="probformer",
         description="Transformers from inference: train, evaluate, diagnose and export models (docs/cli.md).",
-        formatter_class=_Formatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"probformer {version()}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and warnings (also after the verb)")
@@ -141,7 +132,7 @@ def build_parser() -> _Parser:
 
     mup = _verb(commands, "mup", "μP tools: coordinate check and neighbourhood search (docs/mup.md)")
     mup_verbs = mup.add_subparsers(dest="mup_command", required=True, metavar="MUP_VERB")
-    mup_commands.add_commands(mup_verbs, formatter_class=_Formatter)
+    mup_commands.add_commands(mup_verbs, formatter_class=HelpFormatter)
 
     data = _verb(commands, "data", "data sets: fetch one into the local cache")
     data_verbs = data.add_subparsers(dest="data_command", required=True, metavar="DATA_VERB")

@@ -13,10 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m probformer.mup",
         description="μP tooling (also: probformer mup ...)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=commands.HelpFormatter,
     )
     verbs = parser.add_subparsers(dest="mup_command", required=True, metavar="VERB")
-    commands.add_commands(verbs, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    commands.add_commands(verbs, formatter_class=commands.HelpFormatter)
     return commands.run(parser.parse_args(argv))
 
 

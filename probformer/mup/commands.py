@@ -7,7 +7,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["add_commands", "run"]
+__all__ = ["add_commands", "run", "HelpFormatter"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` for options with a real default (not for required options,
+    flags or options whose help says what an absent value means). The ``probformer``
+    command uses it for every verb."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        absent = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if absent or action.required or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def _widths(text: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""``probformer evaluate MODEL --task mlm|pos|uas``: the metric table of a trained model.
+"""``probformer evaluate MODEL --task mlm|lm|pos|uas``: the metric table of a trained model.
 
 - mlm: masked-token loss and perplexity (fixed 15% BERT masks) on PTB or EWT or a text file;
 - lm: next-token loss and perplexity of a causal model (FoldedContext), same data;
@@ -13,7 +13,7 @@ an ``hf:`` dataset its own. A plain-text file or folder has the trainer's split:
 5% of lines (at least one) are ``valid``, the rest ``train``; ``all`` is every line (a
 separate test file); it has no ``test`` split of its own.
 
-Sentences longer than the model's ``max_length`` are never dropped: for mlm and pos they
+Sentences longer than the model's ``max_length`` are never dropped: for mlm, lm and pos they
 are cut into consecutive windows of at most ``max_length`` tokens, each token scored
 once (``windowed`` in the metrics counts them); uas cannot cut a tree, so those
 sentences are left out and counted (``skipped_too_long``).
