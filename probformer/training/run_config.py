@@ -16,6 +16,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from probformer.models import registry
 from probformer.models.config import ConfigMixin
 
@@ -35,6 +37,7 @@ SOURCES = ("ptb", "ewt")  # or a path to a text file / folder
 TASKS = ("mlm", "pos", "lm")
 CAUSAL_MODELS = ("folded_context",)  # the models that may learn next-token prediction
 SCHEDULES = ("linear", "cosine", "constant")
+DEVICES = ("auto", "cpu", "cuda")  # train.device
 LONG_SENTENCES = ("error", "windows")  # what training does with a sentence longer than data.max_length
 # Limits far beyond any run this library is for, but below what would exhaust memory or
 # time before the first step: a typo (an extra zero, 1e9 for 1e-3) is refused, naming the key.
@@ -122,12 +125,17 @@ class TrainConfig(ConfigMixin):
     log_every: int = 10  # steps between metrics lines
     diagnostics_every: int = 100  # steps between per-layer ESS/diversity metrics (PT, Particle; 0: never)
     threads: int = 0  # torch threads (0: OMP_NUM_THREADS, else min(2, cores) / processes)
+    device: str = "auto"  # "auto" (CUDA when present), "cpu" or "cuda"; bf16 autocast on CUDA
 
     def __post_init__(self):
         _check_integer_ranges(self, "train", _TRAIN_RANGES)
         _check_real_ranges(self, "train", _TRAIN_REALS)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"config key 'train.schedule' must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"config key 'train.device' must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("config key 'train.device' is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
 
 
 @dataclass
