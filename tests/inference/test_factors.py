@@ -237,3 +237,21 @@ def test_a_factor_without_log_potential_says_what_to_implement():
     crf = graphs.CRF(vocab_size=4, labels=2, factors=[Empty()])
     with pytest.raises(NotImplementedError, match=r"Empty must implement log_potential\(z, tokens, mask\)"):
         inference.Exact(crf).log_partition(torch.tensor([[1, 2]]))
+
+
+def test_a_declaration_s_model_as_a_plain_function_gives_the_same_log_z_and_marginals():
+    """crf.model handed to Exact as a Pyro function goes through Pyro's enumeration and
+    contraction, not the declaration's own elimination: both must agree."""
+    torch.manual_seed(7)
+    crf = graphs.CRF(
+        vocab_size=5, labels=2, channels=2, rank=2, global_labels=2, topology="window(1)", factors=[Pairwise(2)]
+    ).double()
+    tokens = torch.tensor([[1, 2, 3], [4, 0, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        declared = inference.Exact(crf)(tokens, mask)
+        as_function = inference.Exact(crf.model)
+        torch.testing.assert_close(as_function.log_partition(tokens, mask), declared.log_partition, atol=1e-10, rtol=0)
+        marginals = as_function.marginals(tokens, mask)
+    for i in range(3):
+        torch.testing.assert_close(marginals[f"z_{i}"][mask[:, i]], declared.z[:, i][mask[:, i]], atol=1e-10, rtol=0)
