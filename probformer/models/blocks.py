@@ -2,6 +2,8 @@
 and by every export alike (torch alone: no Pyro, NumPyro, JAX, ArviZ or networkx).
 
     check_token_inputs   validated (tokens, mask); value checks skipped while tracing
+    refuse_unless        a value check without a host read (a device-side assert)
+    one_hot              F.one_hot without its host read of the indices
     window_attention     attention to i - left .. i + right, O(n w) memory
     Block                a pre-/post-LN transformer block (SDPA, or materialised attention)
     TaskHead             the mlm / tagging / classification head
@@ -28,6 +30,8 @@ __all__ = [
     "window_attention",
     "TaskHead",
     "check_token_inputs",
+    "refuse_unless",
+    "one_hot",
     "log_attention_mass",
     "normalised_ess",
     "NORMS",
@@ -59,14 +63,32 @@ def check_token_inputs(tokens, mask, vocab_size: int, max_length: int | None = N
     mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
     if not isinstance(mask, torch.Tensor) or mask.shape != tokens.shape or mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor of shape {tuple(tokens.shape)}")
+    if tokens.numel() == 0:
+        raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
     if not _tracing():
-        if tokens.numel() == 0:
-            raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
-        if ((tokens[mask] < 0) | (tokens[mask] >= vocab_size)).any():
-            raise ValueError(f"token ids must lie in [0, {vocab_size}) (vocab_size)")
-        if (~mask.any(1)).any():
-            raise ValueError("every row needs at least one real token")
+        outside = mask & ((tokens < 0) | (tokens >= vocab_size))
+        refuse_unless(~outside.any(), f"token ids must lie in [0, {vocab_size}) (vocab_size)")
+        refuse_unless(mask.any(1).all(), "every row needs at least one real token")
     return tokens.long().masked_fill(~mask, 0), mask
+
+
+def refuse_unless(condition: torch.Tensor, message: str) -> None:
+    """A value check without a host read: ``torch._assert_async`` on the device. On the
+    CPU it raises at once, turned into a ValueError with ``message``; on a GPU the forward
+    goes on and a false ``condition`` fails as a device-side assert ("device-side assert
+    triggered", ``message`` in the kernel's log) at the next synchronisation."""
+    try:
+        torch._assert_async(condition, message)
+    except RuntimeError as error:
+        if message not in str(error):
+            raise
+        raise ValueError(message) from None
+
+
+def one_hot(index: torch.Tensor, classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[..., classes]`` one-hot rows of ``index`` in ``dtype``. ``F.one_hot`` reads the
+    indices' range on the host (a synchronisation on a GPU); a comparison does not."""
+    return (index[..., None] == torch.arange(classes, device=index.device)).to(dtype)
 
 
 # ---- building blocks of the trainable models ---------------------------------------

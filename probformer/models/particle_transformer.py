@@ -58,6 +58,7 @@ from probformer.models.blocks import (
     check_token_inputs,
     log_attention_mass,
     normalised_ess,
+    one_hot,
     refuse_non_finite_weights,
 )
 from probformer.models.config import ConfigMixin
@@ -200,7 +201,7 @@ class ParticleTransformer(nn.Module, PretrainedMixin):
             soft = (scores / self.config.temperature).softmax(-1)
             sources = scores.argmax(-1)
             if self.config.relaxation == "straight-through":
-                hard = F.one_hot(sources, x.shape[1]).to(soft.dtype)
+                hard = one_hot(sources, x.shape[1], soft.dtype)
                 choice = hard + soft - soft.detach()
             else:
                 choice = soft

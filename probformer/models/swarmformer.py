@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from probformer.models.blocks import Block, TaskHead, check_token_inputs, refuse_non_finite_weights
+from probformer.models.blocks import Block, TaskHead, check_token_inputs, one_hot, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 from probformer.models.pretrained import PretrainedMixin
 
@@ -131,12 +131,12 @@ class SwarmLayer(nn.Module):
         if c.routing == "contiguous":
             length = mask.sum(1, keepdim=True)
             member = torch.div(torch.arange(x.shape[1], device=x.device) * self.clusters, length, rounding_mode="floor")
-            assignment = F.one_hot(member.clamp(max=self.clusters - 1), self.clusters).to(x.dtype)
+            assignment = one_hot(member.clamp(max=self.clusters - 1), self.clusters, x.dtype)
             probabilities = assignment
         elif self.training:
             assignment = F.gumbel_softmax(scores, tau=c.temperature, hard=True)
         else:
-            assignment = F.one_hot(scores.argmax(-1), self.clusters).to(x.dtype)
+            assignment = one_hot(scores.argmax(-1), self.clusters, x.dtype)
         assignment = assignment * mask[..., None]
         confidence = (probabilities * assignment).sum(-1)
         writers = _top_fraction(confidence.detach(), mask, c.top_p)
