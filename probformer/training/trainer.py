@@ -6,6 +6,9 @@ Transformer baselines) and both tasks (MLM, UPOS tagging):
 - AdamW on ``probformer.mup.param_groups`` (μP multipliers for a μP PT, standard
   groups otherwise), linear warm-up then linear/cosine decay or constant, gradient-norm
   clipping, optional bf16 autocast;
+- one device for the model, its optimiser state and every batch (``train.device``: "auto"
+  is CUDA when present, else the CPU); bf16 autocast is always on on CUDA. Checkpoints
+  hold CPU tensors, so a run resumes on either device;
 - a tqdm progress bar (loss, tokens/s, ETA) on a terminal, else a plain line every 10
   logged steps; metrics (loss, learning rate per parameter group, gradient norm before
   clipping, tokens/s, and every ``diagnostics_every`` steps the PT's and the Particle
@@ -51,6 +54,7 @@ from probformer.training.run_log import Progress, RunLog
 __all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
 
 _RESUMABLE_CHANGES = {"steps", "epochs", "threads", "log_every", "eval_every", "checkpoint_every", "diagnostics_every"}
+_RESUMABLE_CHANGES |= {"device"}  # checkpoints are device-independent
 # the kinds whose per-layer ESS and diversity the metrics carry, and the probe batch's size
 DIAGNOSED_KINDS = ("probabilistic_transformer", "particle_transformer")
 PROBE_SENTENCES = 8
@@ -62,21 +66,27 @@ PROGRESS_EVERY = 10  # logged training lines between plain progress lines (no te
 
 @torch.no_grad()
 def evaluate_model(model, examples, task: str, vocab_size: int, mask_rate: float = 0.15, batch_size: int = 64) -> dict:
-    """Validation loss and perplexity (mlm, masked tokens, fixed masks) or accuracy (pos)."""
+    """Validation loss and perplexity (mlm, masked tokens, fixed masks) or accuracy (pos),
+    on the model's device; the sums stay there until one read at the end (float64, as the
+    Python floats they replace)."""
     was_training = model.training
     model.eval()
-    generator = torch.Generator().manual_seed(313)
+    device = _model_device(model)
+    generator = torch.Generator().manual_seed(313)  # masks drawn on the CPU: the same on every device
     order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
-    total, count, correct = 0.0, 0, 0
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    count = 0
     for start in range(0, len(order), batch_size):
         tokens, mask, labels = collate([examples[i] for i in order[start : start + batch_size]])
         inputs, targets = inputs_and_targets(task, tokens, mask, labels, vocab_size, mask_rate, generator)
+        count += int((targets != IGNORE).sum())  # CPU tensors: no device read
+        inputs, mask, targets = (t.to(device, non_blocking=True) for t in (inputs, mask, targets))
         logits, _ = model(inputs, mask)
-        total += F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="sum").item()
-        picked = targets != IGNORE
-        count += int(picked.sum())
-        correct += int((logits.argmax(-1)[picked] == targets[picked]).sum())
+        total += F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="sum").double()
+        correct += ((logits.argmax(-1) == targets) & (targets != IGNORE)).sum()
     model.train(was_training)
+    total, correct = total.item(), int(correct.item())
     loss = total / max(count, 1)
     result = {"loss": loss, "tokens": count}
     if task == "pos":
@@ -120,7 +130,8 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
         _, model_cls = registry.classes(config.kind)
-        self.model = model_cls(model_config)
+        self.device = _resolve_device(config.train.device)
+        self.model = model_cls(model_config).to(self.device)  # before the optimiser: its state follows
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.groups = param_groups(self.model, config.train.lr, config.train.weight_decay)
         for group in self.groups:
@@ -128,7 +139,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.groups)
         self.wrapped = self.model
         if self.world > 1:
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.lengths = [len(ids) for ids, _ in self.corpus.train]
         per_epoch = math.ceil(len(self.lengths) / config.train.batch_size)
         if config.train.batch_size < self.world:
@@ -173,7 +185,7 @@ class Trainer:
             return None
         examples = (self.corpus.valid or self.corpus.train)[:PROBE_SENTENCES]
         tokens, mask, _ = collate(examples)
-        return tokens, mask
+        return tokens.to(self.device), mask.to(self.device)
 
     def _columns(self) -> list[str]:
         """Every field a metrics record can have, in the CSV's order."""
@@ -230,6 +242,8 @@ class Trainer:
         now = self.config.to_dict()
         try:  # a run.json from before a key existed: the key's default is what that run used
             tables = {table: saved[table] for table in ("model", "data", "train") if table in saved}
+            if isinstance(tables.get("train"), dict):  # a CUDA run resumed where there is none
+                tables["train"] = {k: v for k, v in tables["train"].items() if k != "device"}
             saved = run_config.RunConfig.from_dict(tables).to_dict()
         except ValueError:
             pass  # a key since removed or renamed: compared as written (and so reported as changed)
@@ -303,13 +317,15 @@ class Trainer:
         inputs, targets = inputs_and_targets(
             task, tokens, mask, labels, len(self.corpus.vocabulary), self.config.data.mask_rate, masks
         )
-        count = int((targets != IGNORE).sum())
+        count, real_tokens = int((targets != IGNORE).sum()), int(mask.sum())  # on the CPU: no device read
+        inputs, mask, targets = (t.to(self.device, non_blocking=True) for t in (inputs, mask, targets))
         rows = slice(self.rank, None, self.world)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * self.lr_factor(self.step)
         self.wrapped.train()
         auxiliary = getattr(self.model, "auxiliary_loss", None)  # ponder cost, span penalty, ...
-        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=train.bf16):
+        bf16 = train.bf16 or self.device.type == "cuda"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits, output = self.wrapped(inputs[rows], mask[rows])
             extra = auxiliary(output, mask[rows], targets[rows]) if auxiliary else None
         loss_sum = F.cross_entropy(logits.float().transpose(1, 2), targets[rows], reduction="sum")
@@ -329,7 +345,7 @@ class Trainer:
             raise FloatingPointError(self._non_finite_message(loss, grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, int(mask.sum()), grad_norm
+        return loss, real_tokens, grad_norm
 
     def _non_finite_message(self, loss: float, grad_norm: float) -> str:
         pointer = self.out / "checkpoints" / "latest"
@@ -437,6 +453,25 @@ class Trainer:
 
     def plot(self) -> Path:
         return self.log.plot(f"{self.config.kind} ({self.parameters / 1e6:.2f}M parameters)")
+
+
+def _resolve_device(name: str) -> torch.device:
+    """``train.device`` as a torch device: "auto" is CUDA when present, else the CPU;
+    under torchrun each process takes the CUDA device of its local rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():  # the config refuses this first; a guard
+        raise ValueError("config key 'train.device' is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    if name != "cuda":
+        return torch.device(name)
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _model_device(model) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 def _default_threads(world: int) -> int:
