@@ -36,7 +36,7 @@ class PTConfig(ConfigMixin):
     channels: int = 16  # C: attention heads
     rank: int = 64  # r: per-channel rank of the ternary tables
     global_labels: int = 0  # g: the FFN-like global variable (0: none)
-    topology: str = "full"
+    topology: str | dict = "full"  # text, or Topology.to_data() (a networkx graph or mask given here becomes that)
     ternary_form: str = "low_rank"  # "low_rank" (U V^T per channel), "cp" or "tucker" (graphs.CRF)
     ternary_blocks: int = 1  # Tucker blocks of the "tucker" form
     gamma: int = 3  # distance clip: 2 (gamma + 1) relative-position groups
@@ -150,7 +150,10 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         """Task logits (``[B, n, V]`` for mlm, ``[B, n, classes]`` for tagging,
         ``[B, classes]`` for classification) and the mean-field ``Posterior``."""
-        tokens, mask = self.crf.check_inputs(tokens, mask)
+        if mask is None and isinstance(tokens, torch.Tensor):
+            mask = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+        # tokens and mask are checked once, by the engine (MeanField.structure): a second
+        # check here read their values again (a host synchronisation on a GPU)
         confidence = None
         if self.config.halting == "exit" and not self.training:
 

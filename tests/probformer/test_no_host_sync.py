@@ -15,6 +15,7 @@ from probformer.models.baselines import Transformer, TransformerConfig
 from probformer.models.blocks import check_token_inputs
 from probformer.models.folded_context import FoldedContext, FoldedContextConfig
 from probformer.models.particle_transformer import ParticleConfig, ParticleTransformer
+from probformer.models.probabilistic_transformer import ProbabilisticTransformer, PTConfig
 from probformer.models.swarmformer import SwarmConfig, SwarmFormer
 
 VOCAB = 20
@@ -150,6 +151,26 @@ def test_forward_stays_on_the_inputs_device(name, training):
     with RefuseHostSync(torch.device("meta")):
         output = model(tokens, mask)
     assert output[0].device.type == "meta"
+
+
+PT_READS_IN_THE_CRF = pytest.mark.xfail(
+    strict=True,
+    raises=(HostSyncError, NotImplementedError),  # meta: the CRF's nonzero has no meta kernel
+    reason="graphs.CRF.check_inputs and check_parameters, called by MeanField.structure, read values (issue 19 "
+    "part 3, graphs/ and inference/): remove this mark when they no longer do",
+)
+
+
+@PT_READS_IN_THE_CRF
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_probabilistic_transformer_forward_reads_no_value(device, no_value_reads):
+    with torch.device(device):
+        model = ProbabilisticTransformer(
+            PTConfig(vocab_size=VOCAB, labels=16, channels=2, rank=4, iterations=2, kernel="naive")
+        )
+    tokens, mask = _padded_batch(device)
+    with RefuseHostSync(torch.device(device) if device == "meta" else None):
+        model(tokens, mask)
 
 
 def test_the_mode_catches_what_it_must():
