@@ -164,7 +164,8 @@ class Trainer:
     def _init_distributed(self):
         import torch.distributed as dist
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        cuda = self.config.train.device == "cuda" or (self.config.train.device == "auto" and torch.cuda.is_available())
+        backend = "nccl" if cuda else "gloo"  # nccl moves CUDA tensors only
         if not dist.is_initialized():
             dist.init_process_group(backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
