@@ -406,7 +406,9 @@ def _from_arcs(arcs: list, n_max: int) -> Topology:
             raise ValueError(f"arc ({i}, {j}) lies outside the positions 0..{n_max - 1}")
         if i == j:
             raise ValueError(f"arc ({i}, {i}) is a self-arc: a node never chooses itself as head")
-    table = torch.zeros(n_max, n_max, dtype=torch.bool)
+    # one spare row and column (never an arc): a slice [:n, :n] with n <= n_max never takes the
+    # whole table, so torch.export keeps the length dynamic over 1..n_max (no guard n != n_max)
+    table = torch.zeros(n_max + 1, n_max + 1, dtype=torch.bool)
     if arcs:
         table[torch.tensor(arcs).T.unbind()] = True
 

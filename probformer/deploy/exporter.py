@@ -54,6 +54,9 @@ def _refuse_untraceable(kind: str, model: nn.Module, format: str) -> None:
         "halting='act' or 'exit' (the number of iterations depends on the tokens)": engine.halting != "none",
         "schedule='sequential' (one Python step per node)": engine.schedule == "sequential",
         "span=True (ONNX has no clamp to a tensor bound)": format == "onnx" and engine.span is not None,
+        # the arc table would be a constant of the program that is no weight of the model, which the
+        # .pt2 reader refuses (constants must be the model's own tensors)
+        "a topology given as arcs (.pt2 keeps no arc table)": format == "exported" and model.crf.topology.n_max,
     }
     found = [name for name, used in options.items() if used]
     if found:
@@ -71,9 +74,11 @@ def traced_module(model: nn.Module, max_length: int | None = None) -> tuple[nn.M
     source = copy.deepcopy(getattr(model, "module", getattr(model, "_orig_mod", model))).eval()
     source.requires_grad_(False)
     pad_to = None
+    limit = getattr(source.config, "max_length", None)
     if kind == "probabilistic_transformer":
         source.mean_field.kernel = "naive"  # a fixed graph; values equal the fused kernel's
-    limit = getattr(source.config, "max_length", None)
+        n_max = source.crf.topology.n_max  # a topology given as arcs covers sentences up to n_max
+        limit = min(limit, n_max) if limit and n_max else (n_max or limit)
     if kind == "folded_context":
         limit = pad_to = max_length or TRACE_MAX_LENGTH
     elif max_length is not None:

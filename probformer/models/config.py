@@ -128,6 +128,8 @@ class ConfigMixin(metaclass=_AliasedConstructor):
             return
 
         def __post_init__(self):
+            if any(f.name == "topology" for f in fields(self)):
+                self.topology = stored_topology(self.topology)
             self.check_types()
             self.check_limits()
             if any(f.name == "dropout" for f in fields(self)):
@@ -165,7 +167,7 @@ class ConfigMixin(metaclass=_AliasedConstructor):
                     raise ValueError(f"config key {f.name!r} must be <= {limit} (the limit), got {value!r}")
             elif isinstance(value, float):
                 _check_float(f.name, value)
-            elif f.name == "topology" and isinstance(value, str):
+            elif f.name == "topology" and isinstance(value, str | dict):
                 _check_topology(value)
             elif isinstance(value, dict):
                 for key, item in value.items():
@@ -345,7 +347,22 @@ def _check_float(name: str, value: float) -> None:
         )
 
 
-def _check_topology(spec: str) -> None:
+def stored_topology(value):
+    """A config's ``topology`` as it is stored (JSON): text for a built-in (``"window(2)"``),
+    else ``Topology.to_data()``'s dict (the arc list of a networkx graph or a mask). A
+    networkx ``DiGraph``, a bool mask or a ``graphs.Topology`` is turned into that data
+    here, so checkpoints and exports restore it exactly; a topology with no stored form
+    (built from a callable) is refused now, before anything is written."""
+    if isinstance(value, str):
+        return value
+    try:
+        data = topologies.parse(value).to_data()
+    except ValueError as error:
+        raise ValueError(f"config key 'topology': {error}") from None
+    return data["text"] if set(data) == {"text"} else data
+
+
+def _check_topology(spec: str | dict) -> None:
     """A topology's arguments have their limits in ``graphs.topology`` (clusters, window,
     segments): parsing it checks them without building a mask."""
     try:
