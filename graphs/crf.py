@@ -38,8 +38,9 @@ The global variable can be a **product-key memory** (``global_memory="product_ke
 Lample et al. 2019) with g = s^2 values m = (m1, m2): value m scores
 ``q[:d/2] . memory_keys_first[m1] + q[d/2:] . memory_keys_second[m2]`` and carries the
 message ``binary[m]`` (its value vector). Engines take the posterior over the top k of
-the k^2 best pairs (``MeanField(memory_topk=k)``): exactly the dense softmax over all g
-values when k = s. Keys score and values message, so this global variable is a
+the k^2 best pairs (``MeanField(memory_topk=k)``): the dense top k, renormalised, so
+exactly the dense softmax over all g values only when k >= g = s^2 (k = s keeps s of
+the s^2 values). Keys score and values message, so this global variable is a
 memory layer at the global factor's place, not a CRF factor (no ELBO).
 """
 
