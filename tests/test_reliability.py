@@ -130,7 +130,8 @@ def workdir(tmp_path_factory) -> Path:
     (folder / "templates").mkdir()
     bench.warm_imports()
     exports = [c for c in artefacts.export_cases(folder) if c.label == "PT -> .pt2"]
-    assert [r["outcome"] for r in outcomes_of(exports)] == ["ok"], "probformer.export to .pt2 failed"
+    results = outcomes_of(exports)
+    assert [r["outcome"] for r in results] == ["ok"], f"probformer.export to .pt2 failed: {results}"
     return folder
 
 

@@ -11,6 +11,8 @@ import types
 import typing
 from dataclasses import MISSING, asdict, fields
 
+import torch
+
 from graphs import crf as crfs
 from graphs import topology as topologies
 
@@ -68,6 +70,7 @@ LIMITS: dict[str, int] = {
     "eval_sentences": 2**31,
     "checkpoint_every": 2**40,
     "log_every": 2**40,
+    "diagnostics_every": 2**40,
     "threads": 2**12,
     "train_sentences": 2**31,
     "valid_sentences": 2**31,
@@ -353,7 +356,8 @@ def stored_topology(value):
     networkx ``DiGraph``, a bool mask or a ``graphs.Topology`` is turned into that data
     here, so checkpoints and exports restore it exactly; a topology with no stored form
     (built from a callable) is refused now, before anything is written."""
-    if isinstance(value, str):
+    graph_like = isinstance(value, torch.Tensor | topologies.Topology) or callable(value) or hasattr(value, "edges")
+    if not graph_like:  # text, stored data (checked with the limits), or a wrong type (named by check_types)
         return value
     try:
         data = topologies.parse(value).to_data()
