@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from graphs import topology as topologies
+from graphs.device_checks import refuse_unless
 from graphs.factors import BUILT_IN, Factor, Global, Ternary, Unary
 from graphs.topology import distance_groups
 
@@ -222,8 +223,8 @@ class CRF(nn.Module):
         u, v = self.ternary_factors()
         return torch.einsum("kcar,kcbr->kcab", u, v)
 
-    def distance_groups(self, n: int) -> torch.Tensor:
-        return distance_groups(n, self.gamma, self.topology.extra_nodes)
+    def distance_groups(self, n: int, device=None) -> torch.Tensor:
+        return distance_groups(n, self.gamma, self.topology.extra_nodes, device)
 
     def ternary_table(self, n: int) -> torch.Tensor:
         """``[C, N, N, d, d]`` log-potentials, N = n + virtual nodes: entry ``[c, i, j, a, b]``
@@ -306,9 +307,7 @@ class CRF(nn.Module):
                     f"mask shape {tuple(mask.shape)} must equal embeddings' [B, n] {tuple(lengths_only.shape)}"
                 )
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
-            empty = (~mask.any(dim=1)).nonzero().flatten()
-            if len(empty):
-                raise ValueError(f"mask leaves rows {empty.tolist()} with no tokens; every row needs >= 1 token")
+            _refuse_empty_rows(mask)
         return embeddings.masked_fill(~mask[..., None], 0.0), mask
 
     def check_inputs(self, tokens, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,13 +330,13 @@ class CRF(nn.Module):
                 raise ValueError(f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}")
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # value checks: eager only
             return tokens.long().masked_fill(~mask, 0), mask
-        empty = (~mask.any(dim=1)).nonzero().flatten()
-        if len(empty):
-            raise ValueError(f"mask leaves rows {empty.tolist()} with no tokens; every row needs >= 1 token")
-        real = tokens[mask]
-        if real.numel() and (real.min() < 0 or real.max() >= self.vocab_size):
-            bad = real[(real < 0) | (real >= self.vocab_size)][0].item()
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}) (vocab_size); found {bad}")
+        _refuse_empty_rows(mask)
+        legal = ((tokens >= 0) & (tokens < self.vocab_size)) | ~mask
+        refuse_unless(
+            legal.all(),
+            f"token ids must lie in [0, {self.vocab_size}) (vocab_size)",
+            lambda: f"token ids must lie in [0, {self.vocab_size}) (vocab_size); found {tokens[~legal][0].item()}",
+        )
         # Padded positions may hold any id (e.g. -100); index them safely.
         return tokens.long().masked_fill(~mask, 0), mask
 
@@ -352,9 +351,16 @@ class CRF(nn.Module):
         """Raise if any potential is NaN or infinite (it would poison every engine)."""
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
             return
-        for name, param in self.named_parameters():
-            if not torch.isfinite(param).all():
-                raise ValueError(f"CRF parameter {name!r} contains NaN or Inf; potentials must be finite")
+        named = list(self.named_parameters())
+        if not named:
+            return
+
+        def naming_the_first():
+            name = next(name for name, param in named if not torch.isfinite(param).all())
+            return f"CRF parameter {name!r} contains NaN or Inf; potentials must be finite"
+
+        finite = torch.stack([param.isfinite().all() for _, param in named]).all()
+        refuse_unless(finite, "a CRF parameter contains NaN or Inf; potentials must be finite", naming_the_first)
 
     # ---- scoring and the Pyro model ------------------------------------------------
 
@@ -509,3 +515,15 @@ def _check_assignment(name: str, value, shape: tuple[int, ...], size: int) -> to
     if value.numel() and (value.min() < 0 or value.max() >= size):
         raise ValueError(f"{name} values must lie in [0, {size})")
     return value.long()
+
+
+def _refuse_empty_rows(mask: torch.Tensor) -> None:
+    """Every row needs a real token (no host read unless one has none)."""
+    refuse_unless(
+        mask.any(dim=1).all(),
+        "mask leaves a row with no tokens; every row needs >= 1 token",
+        lambda: (
+            f"mask leaves rows {(~mask.any(dim=1)).nonzero().flatten().tolist()} with no tokens; "
+            "every row needs >= 1 token"
+        ),
+    )

@@ -79,10 +79,25 @@ class Topology:
     def num_nodes(self, n: int) -> int:
         return n + self.extra_nodes
 
-    def mask(self, n: int) -> torch.Tensor:
-        """Boolean ``[n + m, n + m]``: ``mask[i, j]`` iff node i may take node j as head."""
+    def mask(self, n: int, device=None) -> torch.Tensor:
+        """Boolean ``[n + m, n + m]``: ``mask[i, j]`` iff node i may take node j as head. With
+        ``device``, a copy there, made once per (n, device) and kept: a forward on a GPU
+        copies no mask from the CPU after its first batch of that length."""
+        if device is not None and not isinstance(n, torch.SymInt) and not torch.compiler.is_compiling():
+            key = (n, torch.device(device))
+            cached = _MASKS.get((id(self), key))
+            if cached is None or cached[0] is not self:
+                with torch.device(device):  # the builders' factory calls make it there, not on the CPU
+                    built = self.mask(n)
+                cached = (self, built.to(device))  # a no-op unless a builder sliced a stored table (arcs)
+                _MASKS[(id(self), key)] = cached
+                while len(_MASKS) > _MASKS_KEPT:  # the oldest first
+                    _MASKS.pop(next(iter(_MASKS)))
+            return cached[1]
         n = _check_length(n, self.extra_nodes)
         arcs = self.build(n)
+        if device is not None:
+            arcs = arcs.to(device)
         nodes = torch.arange(arcs.shape[0], device=arcs.device)
         return arcs & (nodes[:, None] != nodes[None, :])  # no self-arcs; out of place, so export keeps n symbolic
 
@@ -106,7 +121,11 @@ class Topology:
     def _rows(self, mask: torch.Tensor) -> torch.Tensor:
         if self.build_rows is not None:
             return self.build_rows(mask)
-        arcs = self.build(mask.shape[1]).to(mask.device)
+        n = mask.shape[1]
+        if isinstance(n, torch.SymInt) or torch.compiler.is_compiling():
+            arcs = self.build(n).to(mask.device)
+        else:  # the cached device copy (its self-arcs removed: arcs() removes them anyway)
+            arcs = self.mask(n, mask.device)
         return arcs[None].expand(mask.shape[0], -1, -1)
 
     def graph(self, n: int):
@@ -222,13 +241,14 @@ def _offsets(n: int) -> torch.Tensor:
     return pos[None, :] - pos[:, None]
 
 
-def distance_groups(n: int, gamma: int, extra_nodes: int = 0) -> torch.Tensor:
-    """``[n + m, n + m]`` long tensor of distance groups (see ``graphs.crf``'s docstring).
+def distance_groups(n: int, gamma: int, extra_nodes: int = 0, device=None) -> torch.Tensor:
+    """``[n + m, n + m]`` long tensor of distance groups (see ``graphs.crf``'s docstring),
+    built on ``device`` (no copy from the CPU in a forward).
 
     Arcs touching one of the ``m`` virtual nodes get group ``2 * (gamma + 1)``;
     the diagonal (never an arc) gets group 0.
     """
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=device)
     offset = pos[None, :] - pos[:, None]
     clipped = offset.abs().clamp(max=gamma + 1)
     token_groups = torch.where(offset > 0, clipped - 1, gamma + clipped).masked_fill(offset == 0, 0)
@@ -451,6 +471,10 @@ NAMES: dict[str, Callable[..., Topology]] = {
     "segments": segments,
     "root": root,
 }
+
+# Topology.mask(n, device) copies, newest last: (id, (n, device)) -> (topology, mask)
+_MASKS: dict = {}
+_MASKS_KEPT = 64
 
 _TERM = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*([^()]*?)\s*\))?\s*$")
 

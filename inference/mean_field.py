@@ -230,8 +230,7 @@ class MeanField(nn.Module):
         # the span as a fraction of span_max (an optimiser step moves it by ~lr of the range,
         # as in Sukhbaatar et al.); spans start at the maximum, the span penalty shrinks them
         self.span = nn.Parameter(torch.ones(crf.channels)) if span else None
-        if not any(p.is_meta for p in crf.parameters()):
-            self.fused_compute_dtype(1.0)  # the score bound, read once now: a compiled graph uses it
+        self.fused_compute_dtype(1.0)  # the score bound, read once now: a compiled graph uses it
         heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential" or span
         if kernel == "fused" and heads_need_naive:
             raise ValueError(
@@ -294,10 +293,10 @@ class MeanField(nn.Module):
         structure = HeadStructure(
             n=n,
             gamma=crf.gamma,
-            groups=crf.distance_groups(n).to(tokens.device),
+            groups=crf.distance_groups(n, tokens.device),  # built there: no copy from the CPU
             arcs=crf.arc_mask(mask),
             nodes=crf.node_mask(mask),
-            token_arcs=crf.topology.mask(n)[:n, :n].to(tokens.device),
+            token_arcs=crf.topology.mask(n, tokens.device)[:n, :n],  # a cached copy per (n, device)
             band=crf.topology.band,
             prior=None if self.span is None else self.span_prior(n, crf.topology.num_nodes(n)),
         )
@@ -330,7 +329,9 @@ class MeanField(nn.Module):
         forward of a fixed model; under torch.compile / export the last value read eagerly
         (at construction at the latest) is used."""
         cached = getattr(self, "_score_bound_cache", None)
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if self.crf.unary.is_meta:  # shapes only (nothing to read): the input's type
+            bound = 0.0
+        elif torch.compiler.is_compiling() or torch.compiler.is_exporting():
             bound = cached[1] if cached is not None else 0.0  # a traced graph reads no version counter
         else:
             try:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphs.device_checks import refuse_unless  # one implementation, shared with graphs.CRF
+
 __all__ = [
     "Block",
     "window_attention",
@@ -70,19 +72,6 @@ def check_token_inputs(tokens, mask, vocab_size: int, max_length: int | None = N
         refuse_unless(~outside.any(), f"token ids must lie in [0, {vocab_size}) (vocab_size)")
         refuse_unless(mask.any(1).all(), "every row needs at least one real token")
     return tokens.long().masked_fill(~mask, 0), mask
-
-
-def refuse_unless(condition: torch.Tensor, message: str) -> None:
-    """A value check without a host read: ``torch._assert_async`` on the device. On the
-    CPU it raises at once, turned into a ValueError with ``message``; on a GPU the forward
-    goes on and a false ``condition`` fails as a device-side assert ("device-side assert
-    triggered", ``message`` in the kernel's log) at the next synchronisation."""
-    try:
-        torch._assert_async(condition, message)
-    except RuntimeError as error:
-        if message not in str(error):
-            raise
-        raise ValueError(message) from None
 
 
 def one_hot(index: torch.Tensor, classes: int, dtype: torch.dtype) -> torch.Tensor:

@@ -153,20 +153,14 @@ def test_forward_stays_on_the_inputs_device(name, training):
     assert output[0].device.type == "meta"
 
 
-PT_READS_IN_THE_CRF = pytest.mark.xfail(
-    strict=True,
-    raises=(HostSyncError, NotImplementedError),  # meta: the CRF's nonzero has no meta kernel
-    reason="graphs.CRF.check_inputs and check_parameters, called by MeanField.structure, read values (issue 19 "
-    "part 3, graphs/ and inference/): remove this mark when they no longer do",
-)
-
-
-@PT_READS_IN_THE_CRF
+@pytest.mark.parametrize("kernel", ["naive", "fused"])
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_probabilistic_transformer_forward_reads_no_value(device, no_value_reads):
+def test_probabilistic_transformer_forward_reads_no_value(device, kernel, no_value_reads):
+    """The CRF's checks (token ids, empty rows, finite potentials) are device-side asserts;
+    distance groups are built on the device and topology masks once per (n, device)."""
     with torch.device(device):
         model = ProbabilisticTransformer(
-            PTConfig(vocab_size=VOCAB, labels=16, channels=2, rank=4, iterations=2, kernel="naive")
+            PTConfig(vocab_size=VOCAB, labels=16, channels=2, rank=4, iterations=2, kernel=kernel, dropout=0.0)
         )
     tokens, mask = _padded_batch(device)
     with RefuseHostSync(torch.device(device) if device == "meta" else None):
