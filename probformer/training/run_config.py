@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from probformer.models import registry
-from probformer.models.config import ConfigMixin
+from probformer.models.config import ALIASES, ConfigMixin
 
 __all__ = [
     "DataConfig",
@@ -166,8 +166,12 @@ class RunConfig:
         for filled in ("vocab_size", "num_classes", "task"):
             if filled in model:
                 raise ValueError(f"config key 'model.{filled}' is set from the data; remove it")
+        config_cls, _ = registry.classes(model["kind"])
+        keys = {k: v for k, v in model.items() if k != "kind"}
+        # aliases (hidden_size, ...) renamed: run.json and a resume compare canonical keys
+        model = {"kind": model["kind"], **config_cls.canonical_keys(keys, "model")}
         config = cls(
-            model=dict(model),
+            model=model,
             data=_in_section("data", lambda: DataConfig.from_dict(values.get("data", {}), "data")),
             train=_in_section("train", lambda: TrainConfig.from_dict(values.get("train", {}), "train")),
         )
@@ -236,8 +240,18 @@ def apply_overrides(values: dict, assignments) -> dict:
             table = table.setdefault(part, {})
             if not isinstance(table, dict):
                 raise ValueError(f"--set {assignment!r}: {'.'.join(path[: depth + 1])!r} is a value, not a table")
+        for same in _same_setting(path[-1]):  # --set model.hidden_size=.. replaces the file's labels
+            table.pop(same, None)
         table[path[-1]] = value
     return values
+
+
+def _same_setting(key: str) -> set[str]:
+    """The other names of ``key``'s setting: its canonical keys if it is an alias
+    (``hidden_size`` -> labels, width), its aliases if it is canonical."""
+    if key in ALIASES:
+        return set(ALIASES[key])
+    return {alias for alias, canonical in ALIASES.items() if key in canonical}
 
 
 def load(path, overrides=()) -> RunConfig:

@@ -184,6 +184,16 @@ def test_set_gives_the_config_of_the_same_values_in_the_file(tmp_path):
     assert set(tmp_path.iterdir()) == {edited, base}  # nothing written
 
 
+def test_set_of_an_alias_replaces_the_files_canonical_key_and_back(tmp_path):
+    """--set model.head_dim=8 on a file that says rank = 4 is rank = 8, as the alias table says
+    (docs/models.md), not 'the same setting given twice'; and the other way round."""
+    base = tiny_config(tmp_path, name="base.toml")
+    edited = tiny_config(tmp_path, name="edited.toml", **{"rank = 4": "rank = 8"})
+    assert run_config.load(base, ["model.head_dim=8"]) == run_config.load(edited)
+    aliased = tiny_config(tmp_path, name="aliased.toml", **{"rank = 4": "head_dim = 4"})
+    assert run_config.load(aliased, ["model.rank=8"]) == run_config.load(edited)
+
+
 @settings(max_examples=30)
 @given(
     lr=st.floats(1e-6, 10.0, allow_nan=False),
