@@ -17,7 +17,10 @@ def case(topology, global_labels, seed):
     return crf, tokens, mask
 
 
-@pytest.mark.parametrize("topology,global_labels,seed", [("window(1) | star()", 2, 0), ("causal", 0, 1)])
+@pytest.mark.parametrize(
+    "topology,global_labels,seed",
+    [pytest.param("window(1) | star()", 2, 0, marks=pytest.mark.slow), ("causal", 0, 1)],  # the first ~15 s
+)
 def test_gibbs_marginals_agree_with_exact_within_four_standard_errors(topology, global_labels, seed):
     crf, tokens, mask = case(topology, global_labels, seed)
     with torch.no_grad():

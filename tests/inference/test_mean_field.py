@@ -179,6 +179,7 @@ def test_reference_weights_reproduce_the_reference_algorithm(n, batch, iteration
     torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.slow  # ~25 s of Pyro SVI; make test-slow (issue 17: make test < 10 min)
 def test_pyro_svi_with_a_mean_field_guide_reaches_the_same_elbo():
     import pyro
     from pyro.infer import SVI, TraceEnum_ELBO
@@ -259,6 +260,7 @@ def test_mup_scales_are_named_and_applied():
     assert MeanField(crf, weights="reference").scales()["attention"] == 8
 
 
+@pytest.mark.slow  # ~13 s compile; tests/probformer/test_compile.py compiles every kind (slow)
 def test_compiled_engine_equals_eager():
     torch.manual_seed(0)
     crf = graphs.CRF(vocab_size=20, labels=8, channels=2, rank=4, topology="full")
