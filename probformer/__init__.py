@@ -23,6 +23,7 @@ _HOMES = {
     "FoldedContext": "probformer.models.folded_context",
     "RecallTask": "probformer.training.recall",
     "TaskHead": "probformer.models.blocks",
+    "PTLayer": "probformer.models.pt_layer",
     "TransformerConfig": "probformer.models.baselines",
     "Transformer": "probformer.models.baselines",
     "export": "probformer.deploy",
