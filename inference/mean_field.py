@@ -51,6 +51,7 @@ from inference.posterior import Posterior
 __all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
 
 SCHEDULES = ("async", "parallel", "sequential", "macaron")
+INITIAL_HEAD_LOGITS = ("none", "ones")
 KERNELS = ("auto", "naive", "fused")
 # perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
 _AUTO_FUSED_MIN_NODES = 129
@@ -160,6 +161,10 @@ class MeanField(nn.Module):
         span: adaptive attention span with spans in [0, span_max] and ramp span_ramp.
         memory_topk: k, the product-key memory's candidates per half and values kept
             (``graphs.CRF(global_memory="product_key")``).
+        initial_head_logits: what the first head update is damped against (head damping
+            > 0): "none" (no damping at t = 0: the first update is taken whole) or "ones"
+            (the PT reference code's cache, a tensor of ones: logits <- beta + (1 - beta) new,
+            i.e. (1 - beta) new up to a constant per row).
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class MeanField(nn.Module):
         span_max: int = 64,
         span_ramp: int = 8,
         memory_topk: int = 32,
+        initial_head_logits: str = "none",
     ):
         super().__init__()
         if hasattr(crf, "templates"):  # refuse, by name, any factor this engine cannot compile
@@ -222,6 +228,11 @@ class MeanField(nn.Module):
         if isinstance(memory_topk, bool) or not isinstance(memory_topk, int) or memory_topk < 1:
             raise ValueError(f"memory_topk must be an integer >= 1, got {memory_topk!r}")
         self.memory_topk = memory_topk
+        if initial_head_logits not in INITIAL_HEAD_LOGITS:
+            raise ValueError(
+                f"initial_head_logits must be one of {list(INITIAL_HEAD_LOGITS)}, got {initial_head_logits!r}"
+            )
+        self.initial_head_logits = initial_head_logits
         self.halting, self.halting_source = halting, halting_source
         self.act_epsilon, self.exit_threshold = float(act_epsilon), float(exit_threshold)
         if halting == "act":  # p_t = sigmoid(w . features + b)
@@ -359,12 +370,16 @@ class MeanField(nn.Module):
             scale,
             structure,
             damping=self.damping[1],
-            previous_logits=None if previous is None else previous.logits,
+            previous_logits=self._first_head_logits(query) if previous is None else previous.logits,
             step_size=self.step_size[1],
             previous_probs=None if previous is None else previous.probs,
             dropout=self.dropout,
             training=self.training,
         )
+
+    def _first_head_logits(self, query):
+        """What the first head update is damped against: nothing, or the reference's ones."""
+        return query.new_ones(()) if self.initial_head_logits == "ones" else None
 
     def topic(self, q_z, mask):
         """Global-variable marginals ``[B, n, g]`` and their message to the labels ``[B, N, d]``.

@@ -21,25 +21,44 @@ def distance_masks(n: int, gamma: int) -> torch.Tensor:
     return torch.stack(right + [m.T for m in right])
 
 
-def reference_logits(embedding_rows, valid, U, V, iterations, d):
-    """embedding_rows [B, n, d] (S[w_i]), valid [B, n] 0/1, U/V [K, d, r, h]."""
+def reference_logits(
+    embedding_rows, valid, U, V, iterations, d, damping_z=0.0, damping_h=0.0, stepsize_z=1.0, stepsize_h=1.0
+):
+    """embedding_rows [B, n, d] (S[w_i]), valid [B, n] 0/1, U/V [K, d, r, h].
+
+    Damping and step sizes as the reference code has them (pt-spec.md §2.2): the logits are
+    damped raw (M := beta M_prev + (1 - beta) new), the head cache starts as a tensor of
+    ones and is stored after masking, P_z_prev is kept before the padding mask."""
     B, n, _ = embedding_rows.shape
     K = U.shape[0]
     gamma = K // 2 - 1
     dist = distance_masks(n, gamma).to(embedding_rows.dtype)
     v = valid.to(embedding_rows.dtype)
     logits = embedding_rows * v[..., None]
-    for _ in range(iterations):
-        p_z = torch.softmax(logits, -1) * v[..., None]
+    h = U.shape[-1]
+    m_h_prev = torch.ones(B, h, n, n, dtype=embedding_rows.dtype)  # the code's initial cache
+    p_z_prev = p_h_prev = None
+    for t in range(iterations):
+        p_z = torch.softmax(logits, -1)
+        if t > 0:
+            p_z = (1 - stepsize_z) * p_z_prev + stepsize_z * p_z
+        p_z_prev = p_z
+        p_z = p_z * v[..., None]
         A = torch.einsum("zia,karh->zkihr", p_z, U)  # dependent-side projections
         Bp = torch.einsum("zjb,kbrh->zkjhr", p_z, V)  # head-side projections
         F = torch.einsum("kij,zkihr,zkjhr->zhij", dist, A, Bp) * d
+        F = damping_h * m_h_prev + (1 - damping_h) * F
         eye = torch.eye(n, dtype=F.dtype)
         F = F - 1e9 * eye
         pad = (1 - v)[:, None, :, None] + (1 - v)[:, None, None, :]
         F = torch.where(pad > 0, torch.full_like(F, -1e9), F)
+        m_h_prev = F
         p_h = torch.softmax(F, -1)
+        if t > 0:
+            p_h = (1 - stepsize_h) * p_h_prev + stepsize_h * p_h
+        p_h_prev = p_h
         from_head = torch.einsum("zhij,kij,karh,zkjhr->zia", p_h, dist, U, Bp)
         from_dependents = torch.einsum("zhji,kji,kbrh,zkjhr->zib", p_h, dist, V, A)
-        logits = embedding_rows * v[..., None] + from_head + from_dependents
+        new = embedding_rows * v[..., None] + from_head + from_dependents
+        logits = damping_z * logits + (1 - damping_z) * new
     return logits

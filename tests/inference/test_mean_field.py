@@ -268,3 +268,58 @@ def test_compiled_engine_equals_eager():
     tokens = torch.randint(0, 20, (2, 16))
     compiled = torch.compile(lambda t: mf(t).logits, fullgraph=True)
     torch.testing.assert_close(compiled(tokens), mf(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+PARITY_CASES = [  # (beta_z, beta_h, alpha_z, alpha_h): issue 22's parity with damping and step sizes
+    (0.0, 0.3, 1.0, 1.0),
+    (0.0, 0.7, 1.0, 1.0),
+    (0.4, 0.0, 1.0, 1.0),
+    (0.4, 0.5, 1.0, 1.0),
+    (0.0, 0.0, 0.6, 1.0),
+    (0.0, 0.0, 1.0, 0.5),
+    (0.2, 0.2, 0.8, 0.8),
+    (0.5, 0.9, 0.3, 0.7),
+    (0.9, 0.1, 1.0, 0.2),
+    (0.3, 0.6, 0.5, 0.5),
+]
+
+
+@pytest.mark.parametrize("beta_z,beta_h,alpha_z,alpha_h", PARITY_CASES)
+def test_reference_damping_and_step_sizes_reproduce_the_reference_algorithm(beta_z, beta_h, alpha_z, alpha_h):
+    """With initial_head_logits="ones" (the reference's first head cache), damping and step
+    sizes on labels and heads give the reference iteration's logits to float64 round-off."""
+    torch.manual_seed(int(100 * (beta_z + 2 * beta_h + 3 * alpha_z + 4 * alpha_h)))
+    d, r, h, n = 6, 3, 2, 7
+    crf = graphs.CRF(vocab_size=20, labels=d, channels=h, rank=r, topology="full", gamma=3).double()
+    tokens = torch.randint(0, 20, (3, n))
+    mask = torch.arange(n)[None] < torch.tensor([[7], [4], [2]])
+    engine = MeanField(
+        crf,
+        iterations=4,
+        weights="reference",
+        kernel="naive",
+        damping=(beta_z, beta_h),
+        step_size=(alpha_z, alpha_h),
+        initial_head_logits="ones",
+    )
+    with torch.no_grad():
+        ours = engine(tokens, mask).logits
+        U, V = crf.ternary_u.permute(0, 2, 3, 1), crf.ternary_v.permute(0, 2, 3, 1)
+        theirs = reference_logits(crf.unary[tokens], mask, U, V, 4, d, beta_z, beta_h, alpha_z, alpha_h)
+    torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-10, rtol=1e-10)
+
+
+def test_initial_head_logits_none_differs_from_the_reference_only_with_head_damping():
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=20, labels=6, channels=2, rank=3, topology="full", gamma=3).double()
+    tokens = torch.randint(0, 20, (2, 6))
+    run = lambda start, beta_h: (
+        MeanField(  # noqa: E731
+            crf, iterations=3, weights="reference", kernel="naive", damping=(0.0, beta_h), initial_head_logits=start
+        )(tokens).logits
+    )
+    with torch.no_grad():
+        assert torch.equal(run("none", 0.0), run("ones", 0.0))
+        assert (run("none", 0.5) - run("ones", 0.5)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="initial_head_logits must be one of"):
+        MeanField(crf, initial_head_logits="zeros")
