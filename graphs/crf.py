@@ -90,7 +90,10 @@ class CRF(nn.Module):
         topology: a ``graphs.topology.Topology``, its text form (default ``full()``), a
             ``networkx.DiGraph`` on positions, a bool ``[n_max, n_max]`` mask, a function
             n -> graph or mask, or ``Topology.to_data()``'s dict (``graphs.topology.parse``).
-        gamma: distance clip; token arcs fall into ``2 * (gamma + 1)`` groups.
+        gamma: distance clip; token arcs fall into ``2 * (gamma + 1)`` groups. Or a list of
+            distance buckets' cut points (the PT reference's ``dists``): ``[2, 4]`` buckets
+            distances as {1}, {2, 3}, [4, inf) per direction (``gamma = 3`` is ``[2, 3, 4]``);
+            ``crf.gamma`` is then the number of cuts and ``crf.distance_cuts`` the cuts.
         ternary_form: "low_rank" (per-channel U V^T), "cp" or "tucker" (see the module
             docstring); ``ternary_blocks``: the number of Tucker blocks.
         global_memory: "dense" (the binary factor) or "product_key" (global_labels must
@@ -129,7 +132,8 @@ class CRF(nn.Module):
         rank = labels if rank is None else rank
         _check_int("rank", rank, minimum=1)
         _check_int("global_labels", global_labels, minimum=0)
-        _check_int("gamma", gamma, minimum=0)
+        self.distance_cuts = distance_cuts(gamma)
+        gamma = len(self.distance_cuts)  # buckets per direction, minus one
         _check_int("ternary_blocks", ternary_blocks, minimum=1)
         rows = vocab_size if embedding_size is None else embedding_size
         _check_parameter_count(rows, labels, channels, rank, global_labels, gamma, ternary_blocks)
@@ -224,7 +228,8 @@ class CRF(nn.Module):
         return torch.einsum("kcar,kcbr->kcab", u, v)
 
     def distance_groups(self, n: int, device=None) -> torch.Tensor:
-        return distance_groups(n, self.gamma, self.topology.extra_nodes, device)
+        cuts = None if self.distance_cuts == tuple(range(2, self.gamma + 2)) else self.distance_cuts
+        return distance_groups(n, self.gamma, self.topology.extra_nodes, device, cuts)
 
     def ternary_table(self, n: int) -> torch.Tensor:
         """``[C, N, N, d, d]`` log-potentials, N = n + virtual nodes: entry ``[c, i, j, a, b]``
@@ -527,3 +532,20 @@ def _refuse_empty_rows(mask: torch.Tensor) -> None:
             "every row needs >= 1 token"
         ),
     )
+
+
+def distance_cuts(gamma) -> tuple[int, ...]:
+    """The distance buckets' cut points: ``gamma`` an integer (each distance 1..gamma its own
+    bucket, then one for the rest: cuts 2..gamma + 1) or the cut points themselves, e.g.
+    ``[2, 4]`` for {1}, {2, 3}, [4, inf) (the PT reference's ``dists = "2, 4"``)."""
+    if isinstance(gamma, list | tuple):
+        cuts = tuple(gamma)
+        if any(isinstance(c, bool) or not isinstance(c, int) for c in cuts) or any(c < 2 for c in cuts):
+            raise ValueError(f"gamma as distance buckets must be integers >= 2 (cut points), got {list(gamma)!r}")
+        if any(b <= a for a, b in zip(cuts, cuts[1:])):
+            raise ValueError(f"gamma as distance buckets must be strictly increasing, got {list(gamma)!r}")
+        if len(cuts) > LIMITS["gamma"] or (cuts and cuts[-1] > 2**20):
+            raise ValueError(f"gamma as distance buckets: at most {LIMITS['gamma']} cuts, each <= 2**20 (the limits)")
+        return cuts
+    _check_int("gamma", gamma, minimum=0)
+    return tuple(range(2, gamma + 2))

@@ -65,6 +65,18 @@ class HeadStructure:
     token_arcs: torch.Tensor  # [n, n] bool: the topology alone, between tokens
     band: tuple[float, float] | None = None  # the topology's token offsets, if a band
     prior: torch.Tensor | None = None  # [C, N, N] log prior on heads (adaptive span); naive only
+    cuts: tuple[int, ...] | None = None  # distance buckets' cut points (None: 2 .. gamma + 1)
+
+    @property
+    def bucket_cuts(self) -> tuple[int, ...]:
+        return tuple(range(2, self.gamma + 2)) if self.cuts is None else self.cuts
+
+    @property
+    def reach(self) -> int:
+        """The largest token offset before the last bucket (``gamma`` without cuts): offsets up
+        to it are near diagonals, beyond it one far group per direction."""
+        cuts = self.bucket_cuts
+        return cuts[-1] - 1 if cuts else 0
 
     @property
     def has_head(self) -> torch.Tensor:
@@ -257,7 +269,7 @@ def _far_masks(structure: HeadStructure):
     """Per far side: None (every far token arc allowed: no mask), a token mask, or
     False (no far arc at all). Decided from the topology's band, in plain Python, so
     that compiled graphs see no data-dependent branch."""
-    shift = structure.gamma + 1
+    shift = structure.reach + 1
     if structure.band is None:
         return {"right": structure.token_arcs, "left": structure.token_arcs}
     sides = {}
@@ -297,18 +309,20 @@ def fused(
 
 def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool) -> HeadMessages:
     B, N, K, C, r = query.shape
-    n, gamma = structure.n, structure.gamma
+    n, gamma, reach = structure.n, structure.gamma, structure.reach
+    cuts = structure.bucket_cuts
     m = N - n
     dtype = query.dtype
     arcs, nodes, has_head = structure.arcs, structure.nodes, structure.has_head
     token_nodes = nodes[:, None, :n]  # [B, 1, n]
 
-    def group_of(offset: int) -> int:
-        return offset - 1 if offset > 0 else gamma - offset
+    def group_of(offset: int) -> int:  # right: the bucket of the distance; left: after the right ones
+        bucket = sum(abs(offset) >= cut for cut in cuts)
+        return bucket if offset > 0 else gamma + 1 + bucket
 
     # 1. scores of every part, per row
     band = {}  # offset -> [B, C, n] scores of arc (i, i + offset), _MASKED where illegal
-    for offset in [o for o in range(-gamma, gamma + 1) if o and abs(o) < n]:
+    for offset in [o for o in range(-reach, reach + 1) if o and abs(o) < n]:
         k = group_of(offset)
         q_k, key_k = _heads(query, k)[..., :n, :], _heads(key, k)[..., :n, :]
         lo, hi = max(0, -offset), n - max(0, offset)
@@ -320,11 +334,11 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     sides = _far_masks(structure)
     far = {}
     for side, attend, k in (("right", _far_right, gamma), ("left", _far_left, 2 * gamma + 1)):
-        if sides[side] is False or n <= gamma + 1:
+        if sides[side] is False or n <= reach + 1:
             continue
         key_bias = torch.where(token_nodes, 0.0, _ABSENT).to(dtype).expand(B, C, n)
         q_k, key_k, v_k = (_heads(t, k)[..., :n, :] for t in (query, key, value))
-        out, lse = attend(q_k, key_k, v_k, key_bias, scale, gamma + 1, sides[side])
+        out, lse = attend(q_k, key_k, v_k, key_bias, scale, reach + 1, sides[side])
         far[side] = (k, out, torch.where(token_nodes, lse, _MASKED))
 
     if m:
@@ -371,7 +385,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
         key_bias = torch.where(token_nodes, -lse_tokens, _ABSENT)
         q_k, key_k, v_rev = (_heads(t, k)[..., :n, :] for t in (key, query, value_rev))
-        out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, gamma + 1, mask)
+        out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, reach + 1, mask)
         # a padding head has no dependent: drop its row before exp() (its raw scores may be huge).
         # lse_rev = log sum_j P(j -> i) <= log n exactly, but each term is exp(score - lse_j)
         # with lse_j rounded elsewhere: past ~1e7 in float32 that can overflow, so cap it

@@ -9,11 +9,20 @@ import math
 import torch
 
 
-def group_of(i: int, j: int, n: int, gamma: int) -> int:
-    """Distance group of dependent i and head j (virtual nodes are >= n)."""
+def buckets(crf) -> tuple:
+    """``(gamma, cuts)`` of a CRF for ``group_of``."""
+    return crf.gamma, crf.distance_cuts
+
+
+def group_of(i: int, j: int, n: int, gamma: int, cuts=None) -> int:
+    """Distance group of dependent i and head j (virtual nodes are >= n). With ``cuts``
+    (distance buckets' cut points), the bucket of |j - i| is the number of cuts <= it."""
     if i >= n or j >= n:
         return 2 * (gamma + 1)
     delta = j - i
+    if cuts is not None and tuple(cuts) != tuple(range(2, gamma + 2)):
+        bucket = len([c for c in cuts if c <= abs(delta)])
+        return bucket if delta > 0 else gamma + 1 + bucket
     a = min(abs(delta), gamma + 1)
     return a - 1 if delta > 0 else gamma + a
 
@@ -48,7 +57,7 @@ def _label_terms(crf, tokens_row, mask_row, z):
     for c in range(crf.channels):
         for i, legal in enumerate(heads):
             if legal:
-                arc_scores[c, i] = [T[group_of(i, j, n, crf.gamma), c, z[i], z[j]].item() for j in legal]
+                arc_scores[c, i] = [T[group_of(i, j, n, *buckets(crf)), c, z[i], z[j]].item() for j in legal]
     globals_ = []
     if Bm is not None:
         globals_ = [[Bm[m, z[i]].item() for m in range(crf.global_labels)] for i in range(n) if mask_row[i]]
@@ -105,7 +114,7 @@ def full_enumeration_log_z(crf, tokens_row, mask_row):
         for hv in itertools.product(*[heads[i] for (_, i) in head_vars]):
             for gv in itertools.product(range(G), repeat=len(real) if G else 0):
                 s = sum(S[tokens_row[i], z[i]].item() for i in real)
-                s += sum(T[group_of(i, j, n, crf.gamma), c, z[i], z[j]].item() for (c, i), j in zip(head_vars, hv))
+                s += sum(T[group_of(i, j, n, *buckets(crf)), c, z[i], z[j]].item() for (c, i), j in zip(head_vars, hv))
                 s += sum(Bm[m, z[i]].item() for i, m in zip(real, gv)) if G else 0.0
                 terms.append(s)
     return torch.tensor(terms, dtype=torch.float64).logsumexp(0).item()
@@ -123,7 +132,7 @@ def log_potential(crf, tokens_row, mask_row, z, h, g=None):
                 j = h[c][i]
                 if j not in legal:
                     return -math.inf
-                s += T[group_of(i, j, n, crf.gamma), c, z[i], z[j]].item()
+                s += T[group_of(i, j, n, *buckets(crf)), c, z[i], z[j]].item()
     if g is not None:
         s += sum(Bm[g[i], z[i]].item() for i in range(n) if mask_row[i])
     return s
@@ -145,7 +154,7 @@ def mean_field_elbo(crf, tokens_row, mask_row, q_z):
     for c in range(crf.channels):
         for i, legal in enumerate(heads):
             if legal:
-                scores = torch.stack([q[i] @ T[group_of(i, j, n, crf.gamma), c] @ q[j] for j in legal])
+                scores = torch.stack([q[i] @ T[group_of(i, j, n, *buckets(crf)), c] @ q[j] for j in legal])
                 value += scores.logsumexp(0).item()
     if Bm is not None:
         value += sum((Bm @ q[i]).logsumexp(0).item() for i in range(n) if mask_row[i])
@@ -164,7 +173,7 @@ def mean_field_update(crf, tokens_row, mask_row, q_z):
     for c in range(crf.channels):
         for i, legal in enumerate(heads):
             if legal:
-                scores = torch.stack([q[i] @ T[group_of(i, j, n, crf.gamma), c] @ q[j] for j in legal])
+                scores = torch.stack([q[i] @ T[group_of(i, j, n, *buckets(crf)), c] @ q[j] for j in legal])
                 q_h[c, i] = dict(zip(legal, scores.softmax(0)))
     new = torch.zeros(N, d, dtype=torch.float64)
     for i in range(N):

@@ -7,22 +7,34 @@ alpha = 1)."""
 import torch
 
 
-def distance_masks(n: int, gamma: int) -> torch.Tensor:
+def distance_masks(n: int, gamma: int, dists=None) -> torch.Tensor:
     """[2 (gamma + 1), n, n] 0/1: first half heads to the right at distance 1..gamma,
-    >gamma; second half the same to the left (the transpose)."""
+    >gamma; second half the same to the left (the transpose). ``dists``: the reference's
+    cut points between buckets ("2, 4": {1}, {2, 3}, [4, inf)), gamma = len(dists)."""
     right = []
     for bucket in range(gamma + 1):
         m = torch.zeros(n, n)
         for i in range(n):
             for j in range(i + 1, n):
-                if min(j - i, gamma + 1) - 1 == bucket:
+                of = min(j - i, gamma + 1) - 1 if dists is None else sum(1 for c in dists if c <= j - i)
+                if of == bucket:
                     m[i, j] = 1
         right.append(m)
     return torch.stack(right + [m.T for m in right])
 
 
 def reference_logits(
-    embedding_rows, valid, U, V, iterations, d, damping_z=0.0, damping_h=0.0, stepsize_z=1.0, stepsize_h=1.0
+    embedding_rows,
+    valid,
+    U,
+    V,
+    iterations,
+    d,
+    damping_z=0.0,
+    damping_h=0.0,
+    stepsize_z=1.0,
+    stepsize_h=1.0,
+    dists=None,
 ):
     """embedding_rows [B, n, d] (S[w_i]), valid [B, n] 0/1, U/V [K, d, r, h].
 
@@ -32,7 +44,7 @@ def reference_logits(
     B, n, _ = embedding_rows.shape
     K = U.shape[0]
     gamma = K // 2 - 1
-    dist = distance_masks(n, gamma).to(embedding_rows.dtype)
+    dist = distance_masks(n, gamma, dists).to(embedding_rows.dtype)
     v = valid.to(embedding_rows.dtype)
     logits = embedding_rows * v[..., None]
     h = U.shape[-1]

@@ -193,7 +193,8 @@ class ConfigMixin(metaclass=_AliasedConstructor):
         outputs = number("vocab_size") if get.get("task", "mlm") == "mlm" else number("num_classes")
         # a SwarmFormer layer is its local blocks plus about one block of routing and clusters
         blocks = number("layers") * (number("local_rounds") + 1) + number("local_layers") + number("global_layers")
-        groups = 2 * (number("gamma") + 1) + 1
+        gamma = get.get("gamma")
+        groups = 2 * ((len(gamma) if isinstance(gamma, list) else number("gamma")) + 1) + 1
         ternary = 2 * groups * number("channels") * number("labels") * number("rank")
         return (
             (number("vocab_size") + outputs + number("max_length") + number("segment")) * width

@@ -39,7 +39,7 @@ class PTConfig(ConfigMixin):
     topology: str | dict = "full"  # text, or Topology.to_data() (a networkx graph or mask given here becomes that)
     ternary_form: str = "low_rank"  # "low_rank" (U V^T per channel), "cp" or "tucker" (graphs.CRF)
     ternary_blocks: int = 1  # Tucker blocks of the "tucker" form
-    gamma: int = 3  # distance clip: 2 (gamma + 1) relative-position groups
+    gamma: int | list = 3  # distance clip: 2 (gamma + 1) relative-position groups; or bucket cut points, e.g. [2, 4]
     iterations: int = 5  # T: layers
     schedule: str = "async"
     mup: bool = False
@@ -67,6 +67,7 @@ class PTConfig(ConfigMixin):
     memory_topk: int = 32
 
     def __post_init__(self):
+        _check_distance_buckets(self.gamma)
         self.check_integers(
             {
                 "vocab_size": 1,
@@ -74,7 +75,6 @@ class PTConfig(ConfigMixin):
                 "channels": 1,
                 "rank": 1,
                 "global_labels": 0,
-                "gamma": 0,
                 "iterations": 1,
                 "num_classes": 0,
                 "mup_base_width": 0,
@@ -120,6 +120,17 @@ class PTConfig(ConfigMixin):
             raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
         if self.pooling == "root" and "root()" not in graphs.topology.parse(self.topology).name:
             raise ValueError("config key 'pooling'='root' needs a ROOT node: add '| root()' to 'topology'")
+
+
+def _check_distance_buckets(gamma) -> None:
+    """gamma: an integer >= 0, or distance buckets' cut points (graphs.CRF checks them)."""
+    if isinstance(gamma, list):
+        try:
+            graphs.crf.distance_cuts(gamma)
+        except ValueError as error:
+            raise ValueError(f"config key 'gamma': {error}") from None
+    elif isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"config key 'gamma' must be an integer >= 0 or a list of cut points, got {gamma!r}")
 
 
 # the config keys that are the CRF's and the engine's own arguments, passed through by name

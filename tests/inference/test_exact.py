@@ -55,6 +55,23 @@ def test_log_partition_equals_full_enumeration_of_every_assignment(topo, global_
         assert log_z[b].item() == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.parametrize("gamma", [[2], [3], [2, 4], []])
+def test_log_partition_with_distance_buckets_equals_full_enumeration(gamma):
+    """gamma as cut points (issue 22's distance buckets): Exact against the enumeration,
+    whose distance groups are written in tests/oracles.py; mean field stays below it."""
+    torch.manual_seed(3)
+    crf = graphs.CRF(vocab_size=4, labels=2, channels=1, rank=2, gamma=gamma)
+    tokens = torch.tensor([[0, 3, 1, 2], [2, 1, 0, 0]])
+    mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    with torch.no_grad():
+        log_z = inference.Exact(crf).log_partition(tokens, mask)
+        elbo = inference.MeanField(crf, iterations=6).forward(tokens, mask).elbo
+    for b in range(2):
+        expected = oracles.full_enumeration_log_z(crf, tokens[b].tolist(), mask[b].tolist())
+        assert log_z[b].item() == pytest.approx(expected, abs=1e-4)
+        assert elbo[b].item() <= expected + 1e-4
+
+
 def test_gradient_of_log_partition_is_the_unary_marginal():
     torch.manual_seed(2)
     crf = graphs.CRF(vocab_size=5, labels=3, channels=2, rank=2, topology="window(1)")

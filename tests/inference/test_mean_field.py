@@ -313,13 +313,64 @@ def test_initial_head_logits_none_differs_from_the_reference_only_with_head_damp
     torch.manual_seed(0)
     crf = graphs.CRF(vocab_size=20, labels=6, channels=2, rank=3, topology="full", gamma=3).double()
     tokens = torch.randint(0, 20, (2, 6))
-    run = lambda start, beta_h: (
-        MeanField(  # noqa: E731
+
+    def run(start, beta_h):
+        engine = MeanField(
             crf, iterations=3, weights="reference", kernel="naive", damping=(0.0, beta_h), initial_head_logits=start
-        )(tokens).logits
-    )
+        )
+        return engine(tokens).logits
+
     with torch.no_grad():
         assert torch.equal(run("none", 0.0), run("ones", 0.0))
         assert (run("none", 0.5) - run("ones", 0.5)).abs().max() > 1e-3
     with pytest.raises(ValueError, match="initial_head_logits must be one of"):
         MeanField(crf, initial_head_logits="zeros")
+
+
+@pytest.mark.parametrize("dists", [[2, 4], [3], [2, 3, 4], [], [2, 5, 6]])
+@pytest.mark.parametrize("beta_h", [0.0, 0.4])
+def test_distance_buckets_reproduce_the_reference_dists(dists, beta_h):
+    """gamma as a list of cut points is the reference's `dists` (issue 22): its distance masks,
+    transcribed in tests/reference_pt.py, give the same logits to float64 round-off."""
+    torch.manual_seed(len(dists) + int(10 * beta_h))
+    d, r, h, n = 5, 3, 2, 8
+    crf = graphs.CRF(vocab_size=20, labels=d, channels=h, rank=r, topology="full", gamma=dists).double()
+    assert crf.gamma == len(dists) and crf.ternary_u.shape[0] == 2 * (len(dists) + 1)
+    tokens = torch.randint(0, 20, (2, n))
+    mask = torch.arange(n)[None] < torch.tensor([[8], [5]])
+    engine = MeanField(
+        crf, iterations=3, weights="reference", kernel="naive", damping=(0.0, beta_h), initial_head_logits="ones"
+    )
+    with torch.no_grad():
+        ours = engine(tokens, mask).logits
+        U, V = crf.ternary_u.permute(0, 2, 3, 1), crf.ternary_v.permute(0, 2, 3, 1)
+        theirs = reference_logits(crf.unary[tokens], mask, U, V, 3, d, damping_h=beta_h, dists=dists)
+    torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dists", [[2, 4], [3], [], [2, 5, 6]])
+@pytest.mark.parametrize("topology", ["full", "window(3)", "causal"])
+def test_fused_kernel_with_distance_buckets_equals_naive(dists, topology):
+    torch.manual_seed(len(dists))
+    crf = graphs.CRF(vocab_size=20, labels=5, channels=2, rank=3, topology=topology, gamma=dists).double()
+    tokens = torch.randint(0, 20, (2, 11))
+    mask = torch.arange(11)[None] < torch.tensor([[11], [6]])
+    results = {}
+    for kernel in ("naive", "fused"):
+        crf.zero_grad()
+        post = MeanField(crf, iterations=2, kernel=kernel, weights="reference")(tokens, mask)
+        (post.logits.square().sum() + post.elbo.sum()).backward()
+        results[kernel] = [post.logits.detach(), post.elbo.detach(), *(p.grad.clone() for p in crf.parameters())]
+    for a, b in zip(results["naive"], results["fused"]):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_gamma_as_cut_points_equals_the_integer_clip_and_refuses_bad_cuts():
+    torch.manual_seed(0)
+    for gamma in (0, 1, 3):
+        as_int = graphs.CRF(vocab_size=9, labels=3, channels=1, rank=2, gamma=gamma)
+        as_cuts = graphs.CRF(vocab_size=9, labels=3, channels=1, rank=2, gamma=list(range(2, gamma + 2)))
+        assert torch.equal(as_int.distance_groups(9), as_cuts.distance_groups(9))
+    for bad in ([1, 3], [3, 3], [4, 2], [2.5], [True]):
+        with pytest.raises(ValueError, match="gamma as distance buckets"):
+            graphs.CRF(vocab_size=9, labels=3, channels=1, rank=2, gamma=bad)

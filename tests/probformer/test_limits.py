@@ -171,6 +171,7 @@ TYPE_ORACLE = {
     "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "dict": lambda v: isinstance(v, dict),
+    "list": lambda v: isinstance(v, list),
     "None": lambda v: v is None,
 }
 WRONG_TYPED = [None, "0.1", "yes", True, 2, 0.5, [1], {"a": 1}, b"1"]

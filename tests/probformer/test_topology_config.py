@@ -95,3 +95,20 @@ def test_a_topology_with_no_stored_form_is_refused_when_the_config_is_built():
         PTConfig(vocab_size=12, labels=6, channels=2, rank=3, topology=made)
     with pytest.raises(ValueError, match="config key 'topology'"):
         PTConfig(vocab_size=12, labels=6, channels=2, rank=3, topology={"arcs": [[0, 5]], "n_max": 2})
+
+
+def test_a_pt_with_distance_buckets_round_trips(tmp_path):
+    """PTConfig(gamma=[2, 4]): the reference's dists = "2, 4" (issue 22) in a trainable model,
+    stored as JSON and restored with the same logits; bad cut points named by the config key."""
+    torch.manual_seed(0)
+    config = PTConfig(vocab_size=12, labels=6, channels=2, rank=3, iterations=2, dropout=0.0, gamma=[2, 4])
+    model = ProbabilisticTransformer(config).eval()
+    assert model.crf.distance_cuts == (2, 4) and model.crf.ternary_u.shape[0] == 2 * 3
+    tokens = torch.randint(0, 12, (2, 9))
+    model.save_pretrained(tmp_path / "saved")
+    loaded = ProbabilisticTransformer.from_pretrained(tmp_path / "saved")
+    assert loaded.config.gamma == [2, 4]
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens)[0], model(tokens)[0])
+    with pytest.raises(ValueError, match="config key 'gamma'"):
+        PTConfig(vocab_size=12, labels=6, channels=2, rank=3, gamma=[4, 2])
