@@ -315,6 +315,15 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     dtype = query.dtype
     arcs, nodes, has_head = structure.arcs, structure.nodes, structure.has_head
     token_nodes = nodes[:, None, :n]  # [B, 1, n]
+    unbound = {}
+
+    def heads(x: torch.Tensor, k: int) -> torch.Tensor:
+        """Group k of x as ``[B, C, N, r]``: every group of a tensor split once (unbind, views).
+        Indexing x[:, :, k] at each use made the backward zero-fill a full-size gradient per
+        use (the largest single cost in the issue-19 profile); unbind's backward stacks once."""
+        if id(x) not in unbound:
+            unbound[id(x)] = [group.transpose(1, 2) for group in x.unbind(2)]
+        return unbound[id(x)][k]
 
     def group_of(offset: int) -> int:  # right: the bucket of the distance; left: after the right ones
         bucket = sum(abs(offset) >= cut for cut in cuts)
@@ -324,7 +333,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     band = {}  # offset -> [B, C, n] scores of arc (i, i + offset), _MASKED where illegal
     for offset in [o for o in range(-reach, reach + 1) if o and abs(o) < n]:
         k = group_of(offset)
-        q_k, key_k = _heads(query, k)[..., :n, :], _heads(key, k)[..., :n, :]
+        q_k, key_k = heads(query, k)[..., :n, :], heads(key, k)[..., :n, :]
         lo, hi = max(0, -offset), n - max(0, offset)
         s = scale * (q_k[..., lo:hi, :] * key_k[..., lo + offset : hi + offset, :]).sum(-1)
         legal = arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)[:, None]  # [B, 1, hi - lo]
@@ -337,13 +346,13 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         if sides[side] is False or n <= reach + 1:
             continue
         key_bias = torch.where(token_nodes, 0.0, _ABSENT).to(dtype).expand(B, C, n)
-        q_k, key_k, v_k = (_heads(t, k)[..., :n, :] for t in (query, key, value))
+        q_k, key_k, v_k = (heads(t, k)[..., :n, :] for t in (query, key, value))
         out, lse = attend(q_k, key_k, v_k, key_bias, scale, reach + 1, sides[side])
         far[side] = (k, out, torch.where(token_nodes, lse, _MASKED))
 
     if m:
         kv = structure.virtual_group
-        q_v, key_v = _heads(query, kv), _heads(key, kv)
+        q_v, key_v = heads(query, kv), heads(key, kv)
         virtual_cols = scale * (q_v[..., :n, :] @ key_v[..., n:, :].transpose(-1, -2))  # [B, C, n, m]
         virtual_cols = virtual_cols.masked_fill(~arcs[:, None, :n, n:], _MASKED)
         virtual_rows = scale * (q_v[..., n:, :] @ key_v.transpose(-1, -2))  # [B, C, m, N]
@@ -372,10 +381,10 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         k = group_of(offset)
         p = (s - lse_tokens).exp()  # [B, C, n]: P(i -> i + offset)
         lo, hi = max(0, -offset), n - max(0, offset)
-        contribution = p[..., lo:hi, None] * _heads(value, k)[..., lo + offset : hi + offset, :]
+        contribution = p[..., lo:hi, None] * heads(value, k)[..., lo + offset : hi + offset, :]
         forward[k] = forward[k] + F.pad(contribution, (0, 0, lo, N - hi))
         # head h = i + offset receives from dependent i = h - offset
-        contribution = p[..., lo:hi, None] * _heads(value_rev, k)[..., lo:hi, :]
+        contribution = p[..., lo:hi, None] * heads(value_rev, k)[..., lo:hi, :]
         reverse[k] = reverse[k] + F.pad(contribution, (0, 0, lo + offset, N - hi - offset))
     for side, (k, out, part_lse) in far.items():
         weight = (part_lse - lse_tokens).exp()[..., None]
@@ -384,7 +393,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         swap = _far_left if side == "right" else _far_right
         mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
         key_bias = torch.where(token_nodes, -lse_tokens, _ABSENT)
-        q_k, key_k, v_rev = (_heads(t, k)[..., :n, :] for t in (key, query, value_rev))
+        q_k, key_k, v_rev = (heads(t, k)[..., :n, :] for t in (key, query, value_rev))
         out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, reach + 1, mask)
         # a padding head has no dependent: drop its row before exp() (its raw scores may be huge).
         # lse_rev = log sum_j P(j -> i) <= log n exactly, but each term is exp(score - lse_j)
@@ -394,7 +403,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     if m:
         p_cols = (virtual_cols - lse_tokens[..., None]).exp()  # [B, C, n, m]
         p_rows = (virtual_rows - lse_virtual[..., None]).exp()  # [B, C, m, N]
-        v_v, v_rev_v = _heads(value, kv), _heads(value_rev, kv)
+        v_v, v_rev_v = heads(value, kv), heads(value_rev, kv)
         forward[kv] = forward[kv] + torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2)
         from_rows = p_rows.transpose(-1, -2) @ v_rev_v[..., n:, :]  # [B, C, N, r]
         from_cols = p_cols.transpose(-1, -2) @ v_rev_v[..., :n, :]  # [B, C, m, r]
