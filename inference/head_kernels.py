@@ -98,9 +98,11 @@ class HeadMessages:
     key: torch.Tensor | None = None
 
 
-def _heads(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``[B, N, K, C, r]`` -> group k as ``[B, C, N, r]``."""
-    return x[:, :, k].transpose(1, 2)
+def _groups(x: torch.Tensor) -> list[torch.Tensor]:
+    """``[B, N, K, C, r]`` -> its K groups, each ``[B, C, N, r]`` (views). One unbind per
+    tensor: indexing ``x[:, :, k]`` at every use made the backward zero-fill a full-size
+    gradient per use (the largest single cost in issue 19's profile)."""
+    return [group.transpose(1, 2) for group in x.unbind(2)]
 
 
 def _unheads(per_group: list[torch.Tensor]) -> torch.Tensor:
@@ -113,10 +115,9 @@ def _unheads(per_group: list[torch.Tensor]) -> torch.Tensor:
 
 def naive_logits(query, key, scale, structure: HeadStructure) -> torch.Tensor:
     """``[B, C, N, N]`` head logits, ``-inf`` on illegal arcs."""
-    K = query.shape[2]
     logits = None
-    for k in range(K):
-        scores = scale * (_heads(query, k) @ _heads(key, k).transpose(-1, -2))
+    for k, (query_k, key_k) in enumerate(zip(_groups(query), _groups(key))):
+        scores = scale * (query_k @ key_k.transpose(-1, -2))
         logits = scores if logits is None else torch.where(structure.groups == k, scores, logits)
     if structure.prior is not None:
         logits = logits + structure.prior
@@ -155,10 +156,10 @@ def naive(
     kept = probs
     probs = F.dropout(probs, dropout, training) if dropout else probs
     forward, reverse = [], []
-    for k in range(query.shape[2]):
+    for k, (value_k, value_rev_k) in enumerate(zip(_groups(value), _groups(value_rev))):
         in_group = probs * (structure.groups == k)
-        forward.append(in_group @ _heads(value, k))
-        reverse.append(in_group.transpose(-1, -2) @ _heads(value_rev, k))
+        forward.append(in_group @ value_k)
+        reverse.append(in_group.transpose(-1, -2) @ value_rev_k)
     return HeadMessages(_unheads(forward), _unheads(reverse), lse, kept, logits, query, key)
 
 
@@ -315,15 +316,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     dtype = query.dtype
     arcs, nodes, has_head = structure.arcs, structure.nodes, structure.has_head
     token_nodes = nodes[:, None, :n]  # [B, 1, n]
-    unbound = {}
-
-    def heads(x: torch.Tensor, k: int) -> torch.Tensor:
-        """Group k of x as ``[B, C, N, r]``: every group of a tensor split once (unbind, views).
-        Indexing x[:, :, k] at each use made the backward zero-fill a full-size gradient per
-        use (the largest single cost in the issue-19 profile); unbind's backward stacks once."""
-        if id(x) not in unbound:
-            unbound[id(x)] = [group.transpose(1, 2) for group in x.unbind(2)]
-        return unbound[id(x)][k]
+    queries, keys, values, values_rev = (_groups(t) for t in (query, key, value, value_rev))
 
     def group_of(offset: int) -> int:  # right: the bucket of the distance; left: after the right ones
         bucket = sum(abs(offset) >= cut for cut in cuts)
@@ -333,7 +326,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     band = {}  # offset -> [B, C, n] scores of arc (i, i + offset), _MASKED where illegal
     for offset in [o for o in range(-reach, reach + 1) if o and abs(o) < n]:
         k = group_of(offset)
-        q_k, key_k = heads(query, k)[..., :n, :], heads(key, k)[..., :n, :]
+        q_k, key_k = queries[k][..., :n, :], keys[k][..., :n, :]
         lo, hi = max(0, -offset), n - max(0, offset)
         s = scale * (q_k[..., lo:hi, :] * key_k[..., lo + offset : hi + offset, :]).sum(-1)
         legal = arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)[:, None]  # [B, 1, hi - lo]
@@ -346,13 +339,13 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         if sides[side] is False or n <= reach + 1:
             continue
         key_bias = torch.where(token_nodes, 0.0, _ABSENT).to(dtype).expand(B, C, n)
-        q_k, key_k, v_k = (heads(t, k)[..., :n, :] for t in (query, key, value))
+        q_k, key_k, v_k = (g[k][..., :n, :] for g in (queries, keys, values))
         out, lse = attend(q_k, key_k, v_k, key_bias, scale, reach + 1, sides[side])
         far[side] = (k, out, torch.where(token_nodes, lse, _MASKED))
 
     if m:
         kv = structure.virtual_group
-        q_v, key_v = heads(query, kv), heads(key, kv)
+        q_v, key_v = queries[kv], keys[kv]
         virtual_cols = scale * (q_v[..., :n, :] @ key_v[..., n:, :].transpose(-1, -2))  # [B, C, n, m]
         virtual_cols = virtual_cols.masked_fill(~arcs[:, None, :n, n:], _MASKED)
         virtual_rows = scale * (q_v[..., n:, :] @ key_v.transpose(-1, -2))  # [B, C, m, N]
@@ -381,10 +374,10 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         k = group_of(offset)
         p = (s - lse_tokens).exp()  # [B, C, n]: P(i -> i + offset)
         lo, hi = max(0, -offset), n - max(0, offset)
-        contribution = p[..., lo:hi, None] * heads(value, k)[..., lo + offset : hi + offset, :]
+        contribution = p[..., lo:hi, None] * values[k][..., lo + offset : hi + offset, :]
         forward[k] = forward[k] + F.pad(contribution, (0, 0, lo, N - hi))
         # head h = i + offset receives from dependent i = h - offset
-        contribution = p[..., lo:hi, None] * heads(value_rev, k)[..., lo:hi, :]
+        contribution = p[..., lo:hi, None] * values_rev[k][..., lo:hi, :]
         reverse[k] = reverse[k] + F.pad(contribution, (0, 0, lo + offset, N - hi - offset))
     for side, (k, out, part_lse) in far.items():
         weight = (part_lse - lse_tokens).exp()[..., None]
@@ -393,7 +386,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         swap = _far_left if side == "right" else _far_right
         mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
         key_bias = torch.where(token_nodes, -lse_tokens, _ABSENT)
-        q_k, key_k, v_rev = (heads(t, k)[..., :n, :] for t in (key, query, value_rev))
+        q_k, key_k, v_rev = (g[k][..., :n, :] for g in (keys, queries, values_rev))
         out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, reach + 1, mask)
         # a padding head has no dependent: drop its row before exp() (its raw scores may be huge).
         # lse_rev = log sum_j P(j -> i) <= log n exactly, but each term is exp(score - lse_j)
@@ -403,7 +396,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     if m:
         p_cols = (virtual_cols - lse_tokens[..., None]).exp()  # [B, C, n, m]
         p_rows = (virtual_rows - lse_virtual[..., None]).exp()  # [B, C, m, N]
-        v_v, v_rev_v = heads(value, kv), heads(value_rev, kv)
+        v_v, v_rev_v = values[kv], values_rev[kv]
         forward[kv] = forward[kv] + torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2)
         from_rows = p_rows.transpose(-1, -2) @ v_rev_v[..., n:, :]  # [B, C, N, r]
         from_cols = p_cols.transpose(-1, -2) @ v_rev_v[..., :n, :]  # [B, C, m, r]
