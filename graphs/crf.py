@@ -228,8 +228,7 @@ class CRF(nn.Module):
         return torch.einsum("kcar,kcbr->kcab", u, v)
 
     def distance_groups(self, n: int, device=None) -> torch.Tensor:
-        cuts = None if self.distance_cuts == tuple(range(2, self.gamma + 2)) else self.distance_cuts
-        return distance_groups(n, self.gamma, self.topology.extra_nodes, device, cuts)
+        return distance_groups(n, self.gamma, self.topology.extra_nodes, device, self.distance_cuts)
 
     def ternary_table(self, n: int) -> torch.Tensor:
         """``[C, N, N, d, d]`` log-potentials, N = n + virtual nodes: entry ``[c, i, j, a, b]``

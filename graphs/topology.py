@@ -253,7 +253,7 @@ def distance_groups(n: int, gamma: int, extra_nodes: int = 0, device=None, cuts=
     """
     pos = torch.arange(n, device=device)
     offset = pos[None, :] - pos[:, None]
-    if cuts is None:
+    if cuts is None or tuple(cuts) == tuple(range(2, gamma + 2)):  # the clip: one clamp for any gamma
         clipped = offset.abs().clamp(max=gamma + 1)
     else:  # one comparison per cut, no constant tensor (an exported program keeps none)
         distance = offset.abs()
