@@ -304,7 +304,7 @@ class MeanField(nn.Module):
         structure = HeadStructure(
             n=n,
             gamma=crf.gamma,
-            cuts=getattr(crf, "distance_cuts", None),
+            cuts=crf.distance_cuts,
             groups=crf.distance_groups(n, tokens.device),  # built there: no copy from the CPU
             arcs=crf.arc_mask(mask),
             nodes=crf.node_mask(mask),
