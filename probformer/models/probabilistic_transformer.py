@@ -40,6 +40,10 @@ class PTConfig(ConfigMixin):
     ternary_form: str = "low_rank"  # "low_rank" (U V^T per channel), "cp" or "tucker" (graphs.CRF)
     ternary_blocks: int = 1  # Tucker blocks of the "tucker" form
     gamma: int | list = 3  # distance clip: 2 (gamma + 1) relative-position groups; or bucket cut points, e.g. [2, 4]
+    # a built-in label-label factor (graphs.factors.Pairwise) on this topology's arcs, stored as
+    # its text: "chain()" makes the CRF a linear-chain CRF over the labels as well ("": none)
+    pairwise: str = ""
+    pairwise_gamma: int = 0  # the Pairwise factor's own distance clip
     iterations: int = 5  # T: layers
     schedule: str = "async"
     mup: bool = False
@@ -68,6 +72,7 @@ class PTConfig(ConfigMixin):
 
     def __post_init__(self):
         _check_distance_buckets(self.gamma)
+        _check_pairwise(self.pairwise)
         self.check_integers(
             {
                 "vocab_size": 1,
@@ -82,6 +87,7 @@ class PTConfig(ConfigMixin):
                 "span_max": 1,
                 "span_ramp": 1,
                 "memory_topk": 1,
+                "pairwise_gamma": 0,
             }
         )
         for key in ("ponder_cost", "span_penalty"):
@@ -95,10 +101,10 @@ class PTConfig(ConfigMixin):
             raise ValueError(
                 "config keys 'halting'='exit' and 'aligned_training' need per-token outputs, not task 'classification'"
             )
-        new_parameters = self.halting == "act" or self.span or self.global_memory != "dense"
+        new_parameters = self.halting == "act" or self.span or self.global_memory != "dense" or self.pairwise
         if self.mup and new_parameters:
             raise ValueError(
-                "config key 'mup' cannot be combined with halting='act', span or a product-key memory "
+                "config key 'mup' cannot be combined with halting='act', span, a product-key memory or pairwise "
                 "(their μP roles are not derived)"
             )
         if self.ternary_form not in graphs.TERNARY_FORMS:
@@ -133,6 +139,19 @@ def _check_distance_buckets(gamma) -> None:
         raise ValueError(f"config key 'gamma' must be an integer >= 0 or a list of cut points, got {gamma!r}")
 
 
+def _check_pairwise(text) -> None:
+    """pairwise: "" or the text of a built-in topology without virtual nodes."""
+    if not isinstance(text, str):
+        raise ValueError(f"config key 'pairwise' must be a topology's text (e.g. 'chain()') or '', got {text!r}")
+    if text:
+        try:
+            topology = graphs.topology.parse(text)
+        except ValueError as error:
+            raise ValueError(f"config key 'pairwise': {error}") from None
+        if topology.extra_nodes:
+            raise ValueError(f"config key 'pairwise' must be a topology without virtual nodes, got {text!r}")
+
+
 # the config keys that are the CRF's and the engine's own arguments, passed through by name
 CRF_KEYS = ("vocab_size", "labels", "channels", "rank", "global_labels", "topology", "gamma")
 CRF_KEYS += ("ternary_form", "ternary_blocks", "global_memory")
@@ -145,7 +164,8 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
         super().__init__()
         refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter
         self.config = config
-        self.crf = graphs.CRF(**{key: getattr(config, key) for key in CRF_KEYS})
+        factors = [graphs.factors.Pairwise(config.labels, config.pairwise, config.pairwise_gamma)] if config.pairwise else []
+        self.crf = graphs.CRF(**{key: getattr(config, key) for key in CRF_KEYS}, factors=factors)
         # under μP the information weights are hyper-parameters of the base width, held fixed
         weights_width = mup.base_width(config) if config.mup else config.labels
         self.mean_field = inference.MeanField(
