@@ -1,6 +1,7 @@
 """Mean-field engine benchmarks (issue: mean-field engine).
 
     .venv/bin/python benchmarks/mean_field.py [--quick] [--out docs/benchmarks/mean_field.json]
+    .venv/bin/python benchmarks/mean_field.py --against REV [--rounds 6]
 
 Measures, on this machine, with torch.set_num_threads(2):
   1. fused vs naive head kernel: forward+backward of T = 4 iterations, time (interleaved in
@@ -11,6 +12,12 @@ Measures, on this machine, with torch.set_num_threads(2):
   4. achieved fraction of the machine's fp32 matmul throughput;
   5. eager vs torch.compile.
 Prints markdown tables and writes the raw numbers as JSON.
+
+``--against REV`` times only the fused forward+backward (T = 4, d = 256, C = 8, r = 64)
+of this checkout against the code of git revision REV (e.g. the commit before a
+refactoring): REV is extracted with ``git archive`` to a temporary folder, and the two
+trees run in alternating fresh processes (one tree's packages per process), each
+reporting its minimum over a few steps; the figure is the ratio of the minima.
 """
 
 from __future__ import annotations
@@ -186,12 +193,78 @@ def compile_comparison(d=256, C=8, r=64, n=512, B=8):
     return {"first_call_seconds": first, **best}
 
 
+_TIME_FUSED = """
+import sys, time, torch
+sys.path.insert(0, {root!r})
+torch.set_num_threads({threads})
+import graphs, inference
+assert inference.__file__.startswith({root!r}), inference.__file__
+torch.manual_seed(0)
+crf = graphs.CRF(vocab_size=1000, labels=256, channels=8, rank=64, topology="full", gamma=3)
+engine = inference.MeanField(crf, iterations=4, kernel="fused", weights="reference")
+tokens = torch.randint(0, 1000, ({B}, {n}))
+best = float("inf")
+for i in range({steps} + 1):
+    start = time.perf_counter()
+    engine(tokens).logits.square().mean().backward()
+    if i:  # the first step is a warm-up
+        best = min(best, time.perf_counter() - start)
+print(best)
+"""
+
+
+def _extract(revision: str, here: str, into: str) -> str:
+    commit = subprocess.run(["git", "rev-parse", revision], cwd=here, capture_output=True, text=True, check=True)
+    archive = subprocess.run(["git", "archive", commit.stdout.strip()], cwd=here, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
+    return commit.stdout.strip()
+
+
+def against(revision: str, rounds: int, shapes=((128, 8), (512, 8)), current: str | None = None) -> dict:
+    """The fused iteration of this checkout (or of git ``current``) vs git ``revision``'s,
+    in alternating processes."""
+    import tempfile
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as old, tempfile.TemporaryDirectory() as new:
+        commit = _extract(revision, here, old)
+        name = _extract(current, here, new)[:10] if current else "this checkout"
+        new = new if current else here
+        results = {"revision": commit, "current": name, "rounds": rounds, "rows": []}
+        print(f"fused forward+backward, T = 4, d = 256, C = 8, r = 64: {name} vs {commit[:10]}\n")
+        print(f"| n | B | {name} s | {commit[:10]} s | ratio |")
+        print("|---|---|---|---|---|")
+        for n, B in shapes:
+            best = {"new": math.inf, "old": math.inf}
+            steps = 3 if n <= 128 else 1
+            for _ in range(rounds):
+                for tree, root in (("new", new), ("old", old)):
+                    code = _TIME_FUSED.format(root=root, threads=THREADS, B=B, n=n, steps=steps)
+                    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+                    if out.returncode:
+                        raise RuntimeError(f"{tree} tree failed:\n{out.stderr[-2000:]}")
+                    best[tree] = min(best[tree], float(out.stdout.split()[-1]))
+            row = {"n": n, "B": B, "new": best["new"], "old": best["old"], "ratio": best["new"] / best["old"]}
+            results["rows"].append(row)
+            print(f"| {n} | {B} | {row['new']:.3f} | {row['old']:.3f} | {row['ratio']:.3f} |")
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     parser.add_argument("--out", default="docs/benchmarks/mean_field.json")
+    parser.add_argument("--against", metavar="REV", help="only: the fused iteration vs git revision REV's")
+    parser.add_argument("--rounds", type=int, default=6, help="alternations for --against")
+    parser.add_argument("--current", metavar="REV", help="with --against: time git REV instead of this checkout")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
+    if args.against:
+        results = against(args.against, args.rounds, current=args.current)
+        out = "docs/benchmarks/mean_field_against.json" if args.out == parser.get_default("out") else args.out
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+        return
     results = {"threads": THREADS, "torch": torch.__version__, "kernels": [], "memory": []}
 
     gemm = matmul_throughput()
