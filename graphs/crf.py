@@ -24,15 +24,10 @@ Parameter layout (what engines and users read):
     binary     [g, d]         only when global_labels > 0
 
 The ternary tensor ``T[k] : [C, d, d]`` (channel x dependent label x head label) can
-be stored in three forms (``ternary_form``); engines always read the per-channel
-factors ``ternary_u`` / ``ternary_v``, which the other forms compute:
-
-    "low_rank"  T[k, c] = U[k, c] V[k, c]^T                 U, V: [K, C, d, r]
-    "cp"        T[k, c, a, b] = sum_p W[k, c, p] A[k, a, p] B[k, b, p]   (CP, rank r)
-                -> ternary_u[k, c] = A[k] diag(W[k, c]), ternary_v[k, c] = B[k]
-    "tucker"    T[k, c] = sum_m A_m[k] G_m[k, c] B_m[k]^T   (block-term: ``ternary_blocks``
-                Tucker blocks of multilinear rank (r, r), a core per channel)
-                -> ternary_u[k, c] = [A_m[k] G_m[k, c]]_m, ternary_v[k, c] = [B_m[k]]_m
+be stored in four forms (``ternary_form``: "low_rank", "cp", "tucker", "shared"; the maths
+of each in ``graphs.ternary``); engines read the per-channel factors ``ternary_u`` /
+``ternary_v`` ``[K, C, d, r_eff]``, which every form computes (``ternary_factors``), and
+``MeanField`` the cheaper ``projection_tables`` (the shared form projects once for all groups).
 
 The global variable can be a **product-key memory** (``global_memory="product_key"``,
 Lample et al. 2019) with g = s^2 values m = (m1, m2): value m scores
@@ -52,14 +47,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from graphs import ternary
 from graphs import topology as topologies
 from graphs.device_checks import refuse_unless
 from graphs.factors import BUILT_IN, Factor, Global, Ternary, Unary
+from graphs.ternary import TERNARY_FORMS
 from graphs.topology import distance_groups
 
 __all__ = ["CRF", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES", "LIMITS", "MAX_PARAMETERS"]
 
-TERNARY_FORMS = ("low_rank", "cp", "tucker")
 GLOBAL_MEMORIES = ("dense", "product_key")
 
 # The most each size may be (issue 17: absurd sizes are refused before anything is
@@ -94,8 +90,9 @@ class CRF(nn.Module):
             distance buckets' cut points (the PT reference's ``dists``): ``[2, 4]`` buckets
             distances as {1}, {2, 3}, [4, inf) per direction (``gamma = 3`` is ``[2, 3, 4]``);
             ``crf.gamma`` is then the number of cuts and ``crf.distance_cuts`` the cuts.
-        ternary_form: "low_rank" (per-channel U V^T), "cp" or "tucker" (see the module
-            docstring); ``ternary_blocks``: the number of Tucker blocks.
+        ternary_form: "low_rank" (per-group, per-channel U V^T), "cp", "tucker" or "shared"
+            (one U V^T per channel plus a bias per group; ``graphs.ternary``);
+            ``ternary_blocks``: the number of Tucker blocks.
         global_memory: "dense" (the binary factor) or "product_key" (global_labels must
             be a square, s^2).
         factors: extra factor templates (``graphs.factors.Pairwise``, ``graphs.Factor``
@@ -137,8 +134,7 @@ class CRF(nn.Module):
         _check_int("ternary_blocks", ternary_blocks, minimum=1)
         rows = vocab_size if embedding_size is None else embedding_size
         _check_parameter_count(rows, labels, channels, rank, global_labels, gamma, ternary_blocks)
-        if ternary_form not in TERNARY_FORMS:
-            raise ValueError(f"ternary_form must be one of {list(TERNARY_FORMS)}, got {ternary_form!r}")
+        ternary.check_form(ternary_form)
         self.ternary_form, self.ternary_blocks = ternary_form, ternary_blocks
         if global_memory not in GLOBAL_MEMORIES:
             raise ValueError(f"global_memory must be one of {list(GLOBAL_MEMORIES)}, got {global_memory!r}")
@@ -157,21 +153,7 @@ class CRF(nn.Module):
         # Initialisation as the reference PT (pt-spec.md §2.3): xavier-uniform unary,
         # N(0, 1/r) low-rank factors, N(0, 1/d) binary.
         self.unary = nn.Parameter(nn.init.xavier_uniform_(torch.empty(rows, labels)))  # [V, d] or [D, d]
-        # Every form starts with factor entries of variance 1/r (the effective rank of
-        # "tucker" is blocks x r; its cores are scaled so that T has the same variance).
-        std, K = rank**-0.5, self.num_groups
-        if ternary_form == "low_rank":
-            self.ternary_u = nn.Parameter(torch.randn(K, channels, labels, rank) * std)
-            self.ternary_v = nn.Parameter(torch.randn(K, channels, labels, rank) * std)
-        elif ternary_form == "cp":
-            self.cp_dependent = nn.Parameter(torch.randn(K, labels, rank) * std)
-            self.cp_head = nn.Parameter(torch.randn(K, labels, rank) * std)
-            self.cp_channel = nn.Parameter(torch.randn(K, channels, rank))
-        else:
-            blocks = ternary_blocks
-            self.tucker_dependent = nn.Parameter(torch.randn(blocks, K, labels, rank) * std)
-            self.tucker_head = nn.Parameter(torch.randn(blocks, K, labels, rank) * std)
-            self.tucker_core = nn.Parameter(torch.randn(blocks, K, channels, rank, rank) * (blocks * rank) ** -0.5)
+        ternary.create(self, ternary_form, self.num_groups, channels, labels, rank, ternary_blocks)
         if global_labels:
             self.binary = nn.Parameter(torch.randn(global_labels, labels) * labels**-0.5)
         else:
@@ -194,22 +176,19 @@ class CRF(nn.Module):
         )
 
     def __getattr__(self, name: str):
-        # the per-channel factors that the "cp" and "tucker" forms compute
+        # the per-channel factors that every form but "low_rank" computes
         if name in ("ternary_u", "ternary_v") and self.__dict__.get("ternary_form", "low_rank") != "low_rank":
             return self.ternary_factors()[name == "ternary_v"]
         return super().__getattr__(name)
 
     def ternary_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ternary_u, ternary_v)``, each ``[K, C, d, r_eff]``, for any form."""
-        if self.ternary_form == "low_rank":
-            return self.ternary_u, self.ternary_v
-        C = self.channels
-        if self.ternary_form == "cp":
-            u = self.cp_dependent[:, None] * self.cp_channel[:, :, None, :]  # [K, C, d, r]
-            return u, self.cp_head[:, None].expand(-1, C, -1, -1)
-        u = torch.einsum("mkap,mkcpq->kcamq", self.tucker_dependent, self.tucker_core)  # [K, C, d, M, r]
-        v = self.tucker_head.permute(1, 2, 0, 3)[:, None].expand(-1, C, -1, -1, -1)  # [K, C, d, M, r]
-        return u.flatten(-2), v.flatten(-2)
+        return ternary.factors(self)
+
+    def projection_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(u, v, bias)``: projection tables ``[K or 1, C, d, r]`` (1: shared by every group)
+        and the head-logit bias ``[K, C]`` or None (``graphs.ternary.projection_tables``)."""
+        return ternary.projection_tables(self)
 
     def memory_scores(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Product-key sub-scores ``([..., s], [..., s])`` of label-space queries ``[..., d]``."""
@@ -217,8 +196,7 @@ class CRF(nn.Module):
         return query[..., :half] @ self.memory_keys_first.T, query[..., half:] @ self.memory_keys_second.T
 
     def ternary_parameter_count(self) -> int:
-        names = {"low_rank": "ternary_", "cp": "cp_", "tucker": "tucker_"}[self.ternary_form]
-        return sum(p.numel() for n, p in self.named_parameters() if n.startswith(names))
+        return ternary.parameter_count(self)
 
     # ---- the structure as data -------------------------------------------------
 
