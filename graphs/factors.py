@@ -156,24 +156,35 @@ class Pairwise(Factor):
         return torch.where(arcs, score, torch.zeros_like(score)).sum((1, 2))
 
     def expected_log_potential(self, q, tokens, mask):
-        n = tokens.shape[1]
-        arcs = self.arcs(mask).to(q.dtype)
-        q = q[:, :n]
-        pair = torch.einsum("xia,ijab,xjb->xij", q, self.tables(n), q)
-        return (pair * arcs).sum((1, 2))
+        q = q[:, : tokens.shape[1]]
+        return (self._outgoing(q, self._arcs_by_group(q, mask)) * q).sum((1, 2))
 
     def message(self, q, tokens, mask) -> torch.Tensor:
         """``[B, n, d]`` the closed-form mean-field message to every label (the gradient of
         ``expected_log_potential`` in q): from the arcs i -> j and from the arcs j -> i."""
-        n = tokens.shape[1]
-        arcs = self.arcs(mask).to(q.dtype)
-        tables, q = self.tables(n), q[:, :n]
-        out = torch.einsum("xij,ijab,xjb->xia", arcs, tables, q)
-        into = torch.einsum("xji,jiba,xjb->xia", arcs, tables, q)
-        return out + into
+        q = q[:, : tokens.shape[1]]
+        arcs = self._arcs_by_group(q, mask)  # [B, K, n, n]
+        # arcs j -> i: the transposed arcs with the transposed tables
+        into = (arcs.transpose(-1, -2) @ (q[:, None] @ self.table)).sum(1)
+        return self._outgoing(q, arcs) + into
 
-    def _groups(self, n: int) -> torch.Tensor:
-        return topologies.distance_groups(n, self.gamma).to(self.table.device)
+    def _arcs_by_group(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, K, n, n]`` (q's dtype) the arcs of each distance group. Matrix products by
+        group, not one einsum over ``[n, n, d, d]`` tables: memory O(K n^2 + n d^2) rather
+        than O(n^2 d^2), and no contraction path chosen from the shapes (which an export
+        would freeze to the traced batch and length)."""
+        n = mask.shape[1]
+        group_ids = torch.arange(self.table.shape[0], device=mask.device)
+        in_group = self._groups(n, mask.device)[None] == group_ids[:, None, None]  # [K, n, n]
+        return (self.arcs(mask)[:, None] & in_group[None]).to(q.dtype)
+
+    def _outgoing(self, q: torch.Tensor, arcs: torch.Tensor) -> torch.Tensor:
+        """``[B, n, d]``: sum over the arcs i -> j of ``table[k(i, j)] @ q_j``."""
+        return (arcs @ (q[:, None] @ self.table.transpose(-1, -2))).sum(1)
+
+    def _groups(self, n: int, device=None) -> torch.Tensor:
+        # built where it is used: no copy from the CPU in a forward
+        return topologies.distance_groups(n, self.gamma, device=self.table.device if device is None else device)
 
     def add_to_model(self, crf, scope) -> None:
         from pyro.ops.indexing import Vindex
