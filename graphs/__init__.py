@@ -9,7 +9,7 @@ trained model needs (potentials, masks, distance groups) run without either.
 
 import importlib
 
-from graphs import factors, topology
+from graphs import factors, ternary, topology
 from graphs.crf import CRF, GLOBAL_MEMORIES, TERNARY_FORMS, distance_groups
 from graphs.factors import Factor
 from graphs.topology import Topology
@@ -22,6 +22,7 @@ __all__ = [
     "Topology",
     "distance_groups",
     "factors",
+    "ternary",
     "topology",
     "ParticleView",
 ]

@@ -11,6 +11,19 @@ over the legal heads j of i, and the messages to the labels are
 (async mean field: value = key, value_rev = query). Both kernels return these and the
 row log-normaliser ``lse [B, C, N]``.
 
+Two conventions every kernel here keeps (and any other head kernel must, e.g. a
+flex-attention one with the same signature):
+
+* ``bias [K, C]`` (optional): a head-logit bias per distance group and channel, added
+  *after* the scale: the logit of arc i -> j in channel c is
+  ``scale * query[i, k, c] . key[j, k, c] + bias[k, c]`` with k = k(i, j). It is a potential
+  on the head variable alone (``graphs.ternary``'s "shared" form: a relative-position
+  prior), so the attention weight and μP's factor do not multiply it.
+* a group axis of size 1 (``[B, N, 1, C, r]``) is one projection shared by every group:
+  the scores use it for every k, and the messages come back with a group axis of size 1,
+  summed over the groups (what the shared form's back-projection needs). No projection
+  is ever copied per group.
+
 ``naive`` materialises ``P [B, C, N, N]``: the reference, and the only kernel with
 damping, step sizes and dropout on P. ``fused`` never does: the distance groups are
 disjoint, so a row's arcs split into near-diagonal bands (one diagonal per group with
@@ -110,15 +123,22 @@ def _unheads(per_group: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(per_group, dim=2).transpose(1, 3)
 
 
+def group_bias(bias: torch.Tensor, structure: HeadStructure) -> torch.Tensor:
+    """``[C, N, N]``: the bias ``[K, C]`` of each arc's distance group."""
+    return bias.T[:, structure.groups]
+
+
 # ---- naive ------------------------------------------------------------------------
 
 
-def naive_logits(query, key, scale, structure: HeadStructure) -> torch.Tensor:
+def naive_logits(query, key, scale, structure: HeadStructure, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, C, N, N]`` head logits, ``-inf`` on illegal arcs."""
     logits = None
-    for k, (query_k, key_k) in enumerate(zip(_groups(query), _groups(key))):
+    for k, (query_k, key_k) in enumerate(zip(_groups(query), _groups(key))):  # one pass if shared
         scores = scale * (query_k @ key_k.transpose(-1, -2))
         logits = scores if logits is None else torch.where(structure.groups == k, scores, logits)
+    if bias is not None:
+        logits = logits + group_bias(bias, structure).to(logits.dtype)
     if structure.prior is not None:
         logits = logits + structure.prior
     return logits.masked_fill(~structure.arcs[:, None], -math.inf)
@@ -146,8 +166,9 @@ def naive(
     previous_probs: torch.Tensor | None = None,
     dropout: float = 0.0,
     training: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> HeadMessages:
-    logits = naive_logits(query, key, scale, structure)
+    logits = naive_logits(query, key, scale, structure, bias)
     if damping and previous_logits is not None:
         logits = damping * previous_logits + (1 - damping) * logits
     probs, lse = softmax_with_null(logits, structure.has_head)
@@ -157,7 +178,7 @@ def naive(
     probs = F.dropout(probs, dropout, training) if dropout else probs
     forward, reverse = [], []
     for k, (value_k, value_rev_k) in enumerate(zip(_groups(value), _groups(value_rev))):
-        in_group = probs * (structure.groups == k)
+        in_group = probs if value.shape[2] == 1 else probs * (structure.groups == k)  # shared: every group
         forward.append(in_group @ value_k)
         reverse.append(in_group.transpose(-1, -2) @ value_rev_k)
     return HeadMessages(_unheads(forward), _unheads(reverse), lse, kept, logits, query, key)
@@ -288,6 +309,7 @@ def fused(
     structure: HeadStructure,
     messages: bool = True,
     compute_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> HeadMessages:
     """Half-precision inputs are computed in float32 and the results cast back: the reverse
     messages divide by row normalisers computed elsewhere (exp(score - lse of another row)),
@@ -303,13 +325,14 @@ def fused(
     wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     if compute_dtype is not None and torch.finfo(compute_dtype).bits > torch.finfo(wide).bits:
         wide = compute_dtype
-    result = _fused(*(t.to(wide) for t in (query, key, value, value_rev)), scale, structure, messages)
+    bias = None if bias is None else bias.to(wide)
+    result = _fused(*(t.to(wide) for t in (query, key, value, value_rev)), scale, structure, messages, bias)
     narrow = lambda t: None if t is None else t.to(dtype)  # noqa: E731
     return HeadMessages(narrow(result.forward), narrow(result.reverse), narrow(result.lse), query=query, key=key)
 
 
-def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool) -> HeadMessages:
-    B, N, K, C, r = query.shape
+def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messages: bool, bias) -> HeadMessages:
+    B, N, K, C, r = query.shape  # K = 1: shared by every group (one message slot for all)
     n, gamma, reach = structure.n, structure.gamma, structure.reach
     cuts = structure.bucket_cuts
     m = N - n
@@ -322,13 +345,19 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         bucket = sum(abs(offset) >= cut for cut in cuts)
         return bucket if offset > 0 else gamma + 1 + bucket
 
+    def slot(k: int) -> int:  # where group k's projections and messages live
+        return 0 if K == 1 else k
+
+    def bias_of(k: int) -> torch.Tensor | float:  # [C, 1]: group k's bias per channel
+        return 0.0 if bias is None else bias[k][:, None]
+
     # 1. scores of every part, per row
     band = {}  # offset -> [B, C, n] scores of arc (i, i + offset), _MASKED where illegal
     for offset in [o for o in range(-reach, reach + 1) if o and abs(o) < n]:
         k = group_of(offset)
-        q_k, key_k = queries[k][..., :n, :], keys[k][..., :n, :]
+        q_k, key_k = queries[slot(k)][..., :n, :], keys[slot(k)][..., :n, :]
         lo, hi = max(0, -offset), n - max(0, offset)
-        s = scale * (q_k[..., lo:hi, :] * key_k[..., lo + offset : hi + offset, :]).sum(-1)
+        s = scale * (q_k[..., lo:hi, :] * key_k[..., lo + offset : hi + offset, :]).sum(-1) + bias_of(k)
         legal = arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)[:, None]  # [B, 1, hi - lo]
         s = F.pad(s.masked_fill(~legal, _MASKED), (lo, n - hi), value=_MASKED)
         band[offset] = s
@@ -338,17 +367,18 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     for side, attend, k in (("right", _far_right, gamma), ("left", _far_left, 2 * gamma + 1)):
         if sides[side] is False or n <= reach + 1:
             continue
-        key_bias = torch.where(token_nodes, 0.0, _ABSENT).to(dtype).expand(B, C, n)
-        q_k, key_k, v_k = (g[k][..., :n, :] for g in (queries, keys, values))
+        key_bias = torch.where(token_nodes, bias_of(k), _ABSENT).to(dtype).expand(B, C, n)
+        q_k, key_k, v_k = (g[slot(k)][..., :n, :] for g in (queries, keys, values))
         out, lse = attend(q_k, key_k, v_k, key_bias, scale, reach + 1, sides[side])
         far[side] = (k, out, torch.where(token_nodes, lse, _MASKED))
 
     if m:
         kv = structure.virtual_group
-        q_v, key_v = queries[kv], keys[kv]
-        virtual_cols = scale * (q_v[..., :n, :] @ key_v[..., n:, :].transpose(-1, -2))  # [B, C, n, m]
+        q_v, key_v = queries[slot(kv)], keys[slot(kv)]
+        bias_v = 0.0 if bias is None else bias[kv][:, None, None]  # [C, 1, 1]
+        virtual_cols = scale * (q_v[..., :n, :] @ key_v[..., n:, :].transpose(-1, -2)) + bias_v  # [B, C, n, m]
         virtual_cols = virtual_cols.masked_fill(~arcs[:, None, :n, n:], _MASKED)
-        virtual_rows = scale * (q_v[..., n:, :] @ key_v.transpose(-1, -2))  # [B, C, m, N]
+        virtual_rows = scale * (q_v[..., n:, :] @ key_v.transpose(-1, -2)) + bias_v  # [B, C, m, N]
         virtual_rows = virtual_rows.masked_fill(~arcs[:, None, n:, :], _MASKED)
 
     # 2. the row log-normaliser: log-sum-exp over the parts, plus the null head
@@ -374,6 +404,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         k = group_of(offset)
         p = (s - lse_tokens).exp()  # [B, C, n]: P(i -> i + offset)
         lo, hi = max(0, -offset), n - max(0, offset)
+        k = slot(k)
         contribution = p[..., lo:hi, None] * values[k][..., lo + offset : hi + offset, :]
         forward[k] = forward[k] + F.pad(contribution, (0, 0, lo, N - hi))
         # head h = i + offset receives from dependent i = h - offset
@@ -381,11 +412,12 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
         reverse[k] = reverse[k] + F.pad(contribution, (0, 0, lo + offset, N - hi - offset))
     for side, (k, out, part_lse) in far.items():
         weight = (part_lse - lse_tokens).exp()[..., None]
-        forward[k] = forward[k] + F.pad(weight * out, (0, 0, 0, m))
-        # reverse: head i gathers dependents j on the opposite side, biased by -lse_j
+        forward[slot(k)] = forward[slot(k)] + F.pad(weight * out, (0, 0, 0, m))
+        # reverse: head i gathers dependents j on the opposite side, weighted exp(s_ji + bias - lse_j)
         swap = _far_left if side == "right" else _far_right
         mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
-        key_bias = torch.where(token_nodes, -lse_tokens, _ABSENT)
+        key_bias = torch.where(token_nodes, bias_of(k) - lse_tokens, _ABSENT)
+        k = slot(k)
         q_k, key_k, v_rev = (g[k][..., :n, :] for g in (keys, queries, values_rev))
         out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, reach + 1, mask)
         # a padding head has no dependent: drop its row before exp() (its raw scores may be huge).
@@ -396,6 +428,7 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
     if m:
         p_cols = (virtual_cols - lse_tokens[..., None]).exp()  # [B, C, n, m]
         p_rows = (virtual_rows - lse_virtual[..., None]).exp()  # [B, C, m, N]
+        kv = slot(kv)
         v_v, v_rev_v = values[kv], values_rev[kv]
         forward[kv] = forward[kv] + torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2)
         from_rows = p_rows.transpose(-1, -2) @ v_rev_v[..., n:, :]  # [B, C, N, r]
@@ -406,16 +439,27 @@ def _fused(query, key, value, value_rev, scale: float, structure: HeadStructure,
 
 
 def log_normaliser(
-    query, key, scale: float, structure: HeadStructure, kernel: str, compute_dtype: torch.dtype | None = None
+    query,
+    key,
+    scale: float,
+    structure: HeadStructure,
+    kernel: str,
+    compute_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, C, N]`` row log-normalisers only (0 on rows with no legal head)."""
     if kernel == "naive":
-        return softmax_with_null(naive_logits(query, key, scale, structure), structure.has_head)[1]
-    return fused(query, key, key, query, scale, structure, messages=False, compute_dtype=compute_dtype).lse
+        return softmax_with_null(naive_logits(query, key, scale, structure, bias), structure.has_head)[1]
+    options = dict(messages=False, compute_dtype=compute_dtype, bias=bias)
+    return fused(query, key, key, query, scale, structure, **options).lse
 
 
-def score_bound(query_table: torch.Tensor, key_table: torch.Tensor) -> torch.Tensor:
-    """A bound on |query . key| over every label distribution: query = q U and key = q' V
-    with q, q' on the simplex, so |q U V^T q'^T| <= max_a |U_a| max_b |V_b| (per group
-    and channel; tables ``[K, C, d, r]``). A scalar tensor; reading it is a host sync."""
-    return (query_table.norm(dim=-1).amax(-1) * key_table.norm(dim=-1).amax(-1)).max()
+def score_bound(
+    query_table: torch.Tensor, key_table: torch.Tensor, bias: torch.Tensor | None = None, scale: float = 1.0
+) -> torch.Tensor:
+    """A bound on the head logits |scale query . key + bias| over every label distribution:
+    query = q U and key = q' V with q, q' on the simplex, so |q U V^T q'^T| <= max_a |U_a|
+    max_b |V_b| (per group and channel; tables ``[K or 1, C, d, r]``), and |bias| <= its
+    largest entry. A scalar tensor; reading it is a host sync."""
+    bound = abs(scale) * (query_table.norm(dim=-1).amax(-1) * key_table.norm(dim=-1).amax(-1)).max()
+    return bound if bias is None else bound + bias.abs().max()

@@ -327,10 +327,19 @@ class MeanField(nn.Module):
         return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
     def project(self, q_z):
-        """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals."""
-        query = torch.einsum("bnd,kcdr->bnkcr", q_z, self.crf.ternary_u)
-        key = torch.einsum("bnd,kcdr->bnkcr", q_z, self.crf.ternary_v)
+        """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals;
+        the group axis has size 1 when one projection serves every group (the shared
+        ternary form: one GEMM, not K)."""
+        u, v, _ = self.crf.projection_tables()
+        query = torch.einsum("bnd,kcdr->bnkcr", q_z, u)
+        key = torch.einsum("bnd,kcdr->bnkcr", q_z, v)
         return query, key
+
+    def head_bias(self) -> torch.Tensor | None:
+        """``[K, C]`` the head-logit bias of each distance group and channel (the shared
+        ternary form), or None. A potential on the heads alone: added to the scaled scores,
+        never multiplied by the attention weight or μP factor (``head_kernels``)."""
+        return self.crf.projection_tables()[2]
 
     def fused_compute_dtype(self, scale: float) -> torch.dtype | None:
         """float64 when the CRF's parameters allow head scores (times ``scale``) beyond what
@@ -351,18 +360,23 @@ class MeanField(nn.Module):
             except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
                 state = None
             if state is None or cached is None or cached[0] != state:
-                with torch.no_grad():
-                    bound = float(head_kernels.score_bound(self.crf.ternary_u, self.crf.ternary_v))
+                with torch.no_grad():  # one host read for both: the scores' bound and the bias's
+                    u, v, bias = self.crf.projection_tables()
+                    scores = head_kernels.score_bound(u, v)
+                    largest_bias = scores.new_zeros(()) if bias is None else bias.abs().max()
+                    bound = tuple(torch.stack([scores, largest_bias]).tolist())
                 self._score_bound_cache = (state, bound)
             else:
                 bound = cached[1]
-        return torch.float64 if abs(scale) * bound > _FUSED_FLOAT32_MAX_SCORE else None
+        scores, bias = bound if isinstance(bound, tuple) else (bound, 0.0)
+        return torch.float64 if abs(scale) * scores + bias > _FUSED_FLOAT32_MAX_SCORE else None
 
     def heads(self, query, key, value, value_rev, structure, kernel, previous=None):
         scale = self.scales()["attention"]
         if kernel == "fused":
             wide = self.fused_compute_dtype(scale)
-            return head_kernels.fused(query, key, value, value_rev, scale, structure, compute_dtype=wide)
+            options = dict(compute_dtype=wide, bias=self.head_bias())
+            return head_kernels.fused(query, key, value, value_rev, scale, structure, **options)
         return head_kernels.naive(
             query,
             key,
@@ -376,6 +390,7 @@ class MeanField(nn.Module):
             previous_probs=None if previous is None else previous.probs,
             dropout=self.dropout,
             training=self.training,
+            bias=self.head_bias(),
         )
 
     def _first_head_logits(self, query):
@@ -421,9 +436,10 @@ class MeanField(nn.Module):
         the global message (None: no global variable)."""
         s = self.scales()
         logits = s["unary"] * unary
-        if messages is not None:
-            head = torch.einsum("bnkcr,kcdr->bnd", messages.forward, self.crf.ternary_u)
-            dependents = torch.einsum("bnkcr,kcdr->bnd", messages.reverse, self.crf.ternary_v)
+        if messages is not None:  # per group, or (shared tables) summed over the groups
+            u, v, _ = self.crf.projection_tables()
+            head = torch.einsum("bnkcr,kcdr->bnd", messages.forward, u)
+            dependents = torch.einsum("bnkcr,kcdr->bnd", messages.reverse, v)
             logits = logits + s["head"] * head + s["dependents"] * dependents
         if topic_message is not None:
             logits = logits + s["topic"] * topic_message
@@ -443,7 +459,7 @@ class MeanField(nn.Module):
         q_z = log_q.exp() * nodes
         query, key = self.project(q_z)
         wide = self.fused_compute_dtype(1.0) if kernel == "fused" else None
-        lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide)  # [B, C, N]
+        lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide, self.head_bias())  # [B, C, N]
         entropy = -(q_z * log_q).sum((1, 2))  # log_softmax keeps the gradient finite at q = 0
         value = (q_z * unary).sum((1, 2)) + entropy + lse.sum((1, 2))
         if self.crf.global_labels:
@@ -457,7 +473,7 @@ class MeanField(nn.Module):
         """``[B]`` ELBO of explicit marginals (q_h materialised): expected log-potential
         plus entropies."""
         query, key = self.project(q_z)
-        potentials = head_kernels.naive_logits(query, key, 1.0, structure)
+        potentials = head_kernels.naive_logits(query, key, 1.0, structure, self.head_bias())
         expected = torch.where(structure.arcs[:, None], potentials, 0.0)
         value = (q_z * unary).sum((1, 2)) + (q_h * expected).sum((1, 2, 3))
         value = value + _entropy(q_z).sum((1, 2)) + _entropy(q_h).sum((1, 2, 3))
@@ -493,7 +509,7 @@ class MeanField(nn.Module):
             if messages.probs is not None:
                 return messages.probs
             scale = self.scales()["attention"]
-            logits_h = head_kernels.naive_logits(messages.query, messages.key, scale, structure)
+            logits_h = head_kernels.naive_logits(messages.query, messages.key, scale, structure, self.head_bias())
             return head_kernels.softmax_with_null(logits_h, structure.has_head)[0]
 
         def trace():
