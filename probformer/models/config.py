@@ -181,8 +181,9 @@ class ConfigMixin(metaclass=_AliasedConstructor):
         """An estimate of the parameters of the model this config builds, from the keys it
         has: embeddings and decoder (vocab_size or num_classes rows), positions, attention
         blocks (4 w^2 + 2 w f each), cluster keys, the PT's ternary tables (2 (gamma + 1) + 1
-        groups of channels x labels x rank, twice) and global labels. Within ~10% of the
-        real count for every model kind; above it for the smaller CP and Tucker forms."""
+        groups of channels x labels x rank, twice; one group for the "shared" form) and global
+        labels. Within ~10% of the real count for every model kind; above it for the smaller CP
+        and Tucker forms."""
         get = {f.name: getattr(self, f.name) for f in fields(self)}
 
         def number(name: str) -> int:
@@ -195,7 +196,8 @@ class ConfigMixin(metaclass=_AliasedConstructor):
         blocks = number("layers") * (number("local_rounds") + 1) + number("local_layers") + number("global_layers")
         gamma = get.get("gamma")
         groups = 2 * ((len(gamma) if isinstance(gamma, list) else number("gamma")) + 1) + 1
-        ternary = 2 * groups * number("channels") * number("labels") * number("rank")
+        projections = 1 if get.get("ternary_form") == "shared" else groups  # shared: one U, V for every group
+        ternary = 2 * projections * number("channels") * number("labels") * number("rank")
         return (
             (number("vocab_size") + outputs + number("max_length") + number("segment")) * width
             + blocks * (4 * width * width + 2 * width * number("ffn_width"))

@@ -14,6 +14,7 @@ Away from it, with m = d / d0:
 
     group    parameters                    init std            learning rate
     input    unary S, every bias           as at d0            lr
+             (the shared form's head bias: a width-independent log-prior per group and channel, 0 at init)
     hidden   ternary U, V; binary B        as at d0 * m^-1/2   lr / m
     output   decoder weight                as at d0 * m^-1     lr / m
 
@@ -114,6 +115,11 @@ def roles(model) -> dict[str, str]:
         "crf.unary": "input",
         "crf.ternary_u": "hidden",
         "crf.ternary_v": "hidden",
+        # the shared form: U, V as the low-rank form's; its head bias is added to head logits that μP
+        # keeps O(1) at every width (engine scales), so, like any bias, it is width-independent
+        "crf.shared_u": "hidden",
+        "crf.shared_v": "hidden",
+        "crf.shared_bias": "input",
         "crf.binary": "hidden",
         # the CP and Tucker forms of the ternary tensor (μP refuses them; standard groups)
         **{f"crf.{name}": "hidden" for name in ("cp_dependent", "cp_head", "cp_channel")},
@@ -149,8 +155,10 @@ def _standard_std(name: str, shape, config) -> float:
     d, r = shape["labels"], shape["rank"]
     if name == "crf.unary":  # xavier-uniform on [V, d]
         return math.sqrt(2.0 / (config.vocab_size + d))
-    if name in ("crf.ternary_u", "crf.ternary_v"):  # N(0, 1/r)
+    if name in ("crf.ternary_u", "crf.ternary_v", "crf.shared_u", "crf.shared_v"):  # N(0, 1/r)
         return r**-0.5
+    if name == "crf.shared_bias":  # zeros at every width
+        return 0.0
     if name == "crf.binary":  # N(0, 1/d)
         return d**-0.5
     if name in ("head.decoder.weight", "head.decoder.bias"):  # nn.Linear: U(+-1/sqrt(fan_in))
@@ -173,8 +181,11 @@ def initialise(model) -> None:
     role_of = roles(model)
     for name, parameter in model.named_parameters():
         group = role_of[name]
+        standard = _standard_std(name, here, config)
+        if standard == 0.0:  # initialised to zero: zero at every width
+            continue
         target = _standard_std(name, base, config) * multipliers[group][0]
-        parameter.mul_(target / _standard_std(name, here, config))
+        parameter.mul_(target / standard)
 
 
 def param_groups(model, lr: float, weight_decay: float = 0.0) -> list[dict]:

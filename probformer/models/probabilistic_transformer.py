@@ -37,7 +37,9 @@ class PTConfig(ConfigMixin):
     rank: int = 64  # r: per-channel rank of the ternary tables
     global_labels: int = 0  # g: the FFN-like global variable (0: none)
     topology: str | dict = "full"  # text, or Topology.to_data() (a networkx graph or mask given here becomes that)
-    ternary_form: str = "low_rank"  # "low_rank" (U V^T per channel), "cp" or "tucker" (graphs.CRF)
+    # "low_rank" (U V^T per group and channel), "cp", "tucker", or "shared" (U V^T per channel for
+    # every distance group plus a learned bias per group and channel): graphs.ternary
+    ternary_form: str = "low_rank"
     ternary_blocks: int = 1  # Tucker blocks of the "tucker" form
     gamma: int | list = 3  # distance clip: 2 (gamma + 1) relative-position groups; or bucket cut points, e.g. [2, 4]
     # a built-in label-label factor (graphs.factors.Pairwise) on this topology's arcs, stored as
@@ -111,9 +113,10 @@ class PTConfig(ConfigMixin):
             raise ValueError(
                 f"config key 'ternary_form' must be one of {list(graphs.TERNARY_FORMS)}, got {self.ternary_form!r}"
             )
-        if self.mup and self.ternary_form != "low_rank":
+        if self.mup and self.ternary_form not in ("low_rank", "shared"):
             raise ValueError(
-                "config key 'mup' needs ternary_form='low_rank' (μP roles of CP/Tucker factors: not derived)"
+                "config key 'mup' needs ternary_form='low_rank' or 'shared' (μP roles of CP/Tucker factors: "
+                "not derived)"
             )
         if self.mup_paradigm not in PARADIGMS:
             raise ValueError(f"config key 'mup_paradigm' must be one of {list(PARADIGMS)}, got {self.mup_paradigm!r}")
@@ -164,7 +167,9 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
         super().__init__()
         refuse_non_finite_weights(self)  # NaN/inf weights are refused where they enter
         self.config = config
-        factors = [graphs.factors.Pairwise(config.labels, config.pairwise, config.pairwise_gamma)] if config.pairwise else []
+        factors = []
+        if config.pairwise:
+            factors.append(graphs.factors.Pairwise(config.labels, config.pairwise, config.pairwise_gamma))
         self.crf = graphs.CRF(**{key: getattr(config, key) for key in CRF_KEYS}, factors=factors)
         # under μP the information weights are hyper-parameters of the base width, held fixed
         weights_width = mup.base_width(config) if config.mup else config.labels
