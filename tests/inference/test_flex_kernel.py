@@ -1,0 +1,279 @@
+"""The flex_attention head kernel (inference.flex_kernel) against the naive kernel and a
+dense reference written here, in values and gradients.
+
+On the CPU the kernel runs flex_attention's eager reference, which reads only the block
+masks' mask_mod: the block metadata the compiled CUDA kernel walks (partial / full blocks,
+and their transposes for the backward) is checked separately against the dense arcs. The
+CUDA class runs the compiled kernel itself where a device is present.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_mask
+
+import graphs
+from inference import flex_kernel, head_kernels
+from inference.flex_kernel import flex
+from inference.head_kernels import HeadStructure
+
+TOPOLOGIES = ["full", "causal", "window(2)", "chain()", "full | root()"]
+# gamma as an integer, or distance buckets' cut points
+BUCKETS = [0, 1, 3, [2, 4], [3], []]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.random.fork_rng():
+        yield
+    torch.set_num_threads(threads)
+
+
+def structure_of(crf, mask):
+    n = mask.shape[1]
+    return HeadStructure(
+        n=n,
+        gamma=crf.gamma,
+        cuts=crf.distance_cuts,
+        groups=crf.distance_groups(n, mask.device),
+        arcs=crf.arc_mask(mask),
+        nodes=crf.node_mask(mask),
+        token_arcs=crf.topology.mask(n, mask.device)[:n, :n],
+        band=crf.topology.band,
+    )
+
+
+def batch(topology, gamma, n, channels=2, seed=0, device="cpu"):
+    """A structure with a full row, a padded suffix and a padded position that is not a
+    suffix, and random projections ``[B, N, K, C, r]`` (peaked: near-uniform attention hides bugs)."""
+    torch.manual_seed(seed)
+    crf = graphs.CRF(vocab_size=5, labels=3, channels=channels, rank=3, topology=topology, gamma=gamma)
+    mask = torch.ones(3, n, dtype=torch.bool, device=device)
+    mask[1, max(1, n // 2) :] = False
+    mask[2, n // 3] = n == 1
+    structure = structure_of(crf, mask)
+    N = structure.nodes.shape[1]
+    projections = [3 * torch.randn(3, N, crf.num_groups, channels, 3, dtype=torch.float64) for _ in range(4)]
+    return structure, [p.to(device) for p in projections]
+
+
+def reference(query, key, value, value_rev, scale, structure, bias=None):
+    """The messages of head_kernels' docstring, materialised: logits from each arc's own
+    group, a null head of logit 0 on rows with no legal head."""
+    K = query.shape[2]
+    one_hot = torch.nn.functional.one_hot(structure.groups, K).to(query.dtype)  # [N, N, K]
+    scores = torch.einsum("bikcr,bjkcr,ijk->bcij", query, key, one_hot) * scale
+    if bias is not None:
+        scores = scores + torch.einsum("kc,ijk->cij", bias, one_hot)
+    logits = scores.masked_fill(~structure.arcs[:, None], -math.inf)
+    null = torch.where(structure.arcs.any(-1), -math.inf, 0.0).to(query.dtype)[:, None, :, None]
+    extended = torch.cat([logits, null.expand(*logits.shape[:-1], 1)], -1)
+    probs, lse = extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
+    forward = torch.einsum("bcij,ijk,bjkcr->bikcr", probs, one_hot, value)
+    reverse = torch.einsum("bcji,jik,bjkcr->bikcr", probs, one_hot, value_rev)
+    return forward, reverse, lse
+
+
+def outputs_and_gradients(kernel, projections, scale, structure, bias=None, **options):
+    """Messages, lse and the gradients of a fixed random function of them (w.r.t. the
+    projections and the bias)."""
+    leaves = [p.detach().clone().requires_grad_() for p in projections]
+    extra = {} if bias is None else {"bias": bias.detach().clone().requires_grad_()}
+    result = kernel(*leaves, scale, structure, **extra, **options)
+    forward, reverse, lse = (result.forward, result.reverse, result.lse) if hasattr(result, "lse") else result
+    generator = torch.Generator().manual_seed(1)
+    directions = [torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t) for t in (forward, reverse, lse)]
+    loss = sum((t * d).sum() for t, d in zip((forward, reverse, lse), directions))
+    gradients = torch.autograd.grad(loss, leaves + list(extra.values()))
+    return [forward, reverse, lse, *gradients]
+
+
+def assert_all_close(ours, theirs, atol, rtol):
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.to(b), b, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("buckets", BUCKETS)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_flex_equals_naive_in_values_and_gradients(topology, buckets):
+    structure, projections = batch(topology, buckets, n=11)
+    naive = outputs_and_gradients(head_kernels.naive, projections, 0.7, structure)
+    ours = outputs_and_gradients(flex, projections, 0.7, structure)
+    assert_all_close(ours, naive, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_flex_with_a_score_bias_equals_the_dense_reference(topology):
+    structure, projections = batch(topology, [2, 4], n=9)
+    bias = 2 * torch.randn(projections[0].shape[2], projections[0].shape[3], dtype=torch.float64)
+    expected = outputs_and_gradients(reference, projections, 1.3, structure, bias)
+    ours = outputs_and_gradients(flex, projections, 1.3, structure, bias)
+    assert_all_close(ours, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_the_dense_reference_is_the_naive_kernel():
+    """The test's own reference agrees with the library's naive kernel (no bias)."""
+    structure, projections = batch("full | root()", 2, n=7)
+    expected = outputs_and_gradients(head_kernels.naive, projections, 0.9, structure)
+    assert_all_close(outputs_and_gradients(reference, projections, 0.9, structure), expected, 1e-12, 1e-12)
+
+
+def test_flex_at_length_40_in_float32():
+    structure, projections = batch("full | root()", 3, n=40, channels=3)
+    naive = outputs_and_gradients(head_kernels.naive, projections, 0.5, structure)
+    ours = outputs_and_gradients(flex, [p.float() for p in projections], 0.5, structure)
+    scale = max(float(t.detach().abs().max()) for t in naive)
+    assert_all_close(ours, naive, atol=1e-5 * scale, rtol=1e-4)
+
+
+def test_rows_without_a_head_get_zero_messages_and_lse_zero():
+    structure, projections = batch("causal", 1, n=6)  # row 0 and padded rows have no head
+    leaves = [p.clone().requires_grad_() for p in projections]
+    result = flex(*leaves, 2.0, structure)
+    no_head = ~structure.has_head  # [B, N]
+    assert no_head[:, 0].all() and no_head[1, 3:].all()
+    assert (result.lse.transpose(1, 2)[no_head] == 0).all()
+    assert (result.forward[no_head] == 0).all()
+    (result.forward.sum() + result.reverse.sum() + result.lse.sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in leaves)
+
+
+def test_lse_only_equals_the_lse_of_the_messages():
+    structure, projections = batch("window(2)", [3], n=10)
+    full = flex(*projections, 1.1, structure)
+    alone = flex(*projections, 1.1, structure, messages=False)
+    assert alone.forward is None and alone.reverse is None
+    torch.testing.assert_close(alone.lse, full.lse, atol=0, rtol=0)
+
+
+def test_half_precision_inputs_are_computed_in_float32():
+    structure, projections = batch("full", 1, n=8)
+    result = flex(*(p.to(torch.bfloat16) for p in projections), 1.0, structure)
+    wide = flex(*(p.to(torch.bfloat16).float() for p in projections), 1.0, structure)
+    assert result.forward.dtype == torch.bfloat16
+    torch.testing.assert_close(result.forward, wide.forward.to(torch.bfloat16), atol=0, rtol=0)
+
+
+def test_bad_arguments_are_refused():
+    structure, projections = batch("full", 1, n=4)
+    with pytest.raises(ValueError, match=r"bias must have shape \[K, C\]"):
+        flex(*projections, 1.0, structure, bias=torch.zeros(2))
+    structure.prior = torch.zeros(2, 4, 4)
+    with pytest.raises(ValueError, match="no head prior"):
+        flex(*projections, 1.0, structure)
+
+
+@settings(max_examples=30)
+@given(
+    topology=st.sampled_from(TOPOLOGIES + ["window(1) | star()", "clusters(2)", "segments(3, causal=True)"]),
+    buckets=st.sampled_from(BUCKETS),
+    n=st.integers(1, 16),
+    channels=st.integers(1, 3),
+    scale=st.sampled_from([0.0, 0.3, 1.0, -2.0]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_flex_equals_the_dense_reference_on_random_structures(topology, buckets, n, channels, scale, with_bias, seed):
+    structure, projections = batch(topology, buckets, n, channels, seed)
+    bias = torch.randn(projections[0].shape[2], channels, dtype=torch.float64) if with_bias else None
+    expected = outputs_and_gradients(reference, projections, scale, structure, bias)
+    assert_all_close(outputs_and_gradients(flex, projections, scale, structure, bias), expected, 1e-10, 1e-10)
+
+
+# ---- the block masks the compiled kernel walks -------------------------------------
+
+
+def dense_blocks(num_blocks, indices, num_columns):
+    """``[B, H, rows, columns]`` bool from flex's ordered block lists."""
+    B, H, rows = num_blocks.shape
+    dense = torch.zeros(B, H, rows, num_columns, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for row in range(rows):
+                dense[b, h, row, indices[b, h, row, : num_blocks[b, h, row]].long()] = True
+    return dense
+
+
+def as_elements(blocks, size):
+    block = flex_kernel.BLOCK
+    return blocks.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :size, :size]
+
+
+@pytest.mark.parametrize(
+    "topology, buckets, n, some_full",
+    [("full", 2, 400, True), ("full | root()", [2, 130], 520, True), ("causal", 0, 300, True), ("window(2)", 1, 200, False)],
+)
+def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, some_full):
+    """What the compiled kernel attends to: full blocks whole, partial blocks through the
+    mask_mod, nothing else. It must be head h's arcs, arcs of group h // C, in both the
+    forward and the (transposed) reverse mask, and in the backward's column-major lists."""
+    channels = 2
+    structure, projections = batch(topology, buckets, n, channels)
+    K, N = projections[0].shape[2], structure.nodes.shape[1]
+    forward, reverse = flex_kernel._block_masks(structure, K, channels)
+    head_group = torch.arange(K * channels) // channels
+    arcs = structure.arcs[:, None] & (structure.groups == head_group[:, None, None])  # [B, H, N, N]
+    for block_mask, expected in ((forward, arcs), (reverse, arcs.transpose(-1, -2))):
+        nb = block_mask.kv_indices.shape[-1]
+        partial = dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, nb)
+        full = dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nb)
+        mask_mod = create_mask(block_mask.mask_mod, *expected.shape[:2], N, N, device="cpu")
+        attended = as_elements(full, N) | (as_elements(partial, N) & mask_mod)
+        assert torch.equal(attended, expected)
+        assert full.any() == some_full  # the full-block path is exercised where blocks can be full
+        # the backward walks the same blocks column by column
+        assert torch.equal(dense_blocks(block_mask.q_num_blocks, block_mask.q_indices, nb), partial.transpose(-1, -2))
+        assert torch.equal(
+            dense_blocks(block_mask.full_q_num_blocks, block_mask.full_q_indices, nb), full.transpose(-1, -2)
+        )
+
+
+def test_flex_equals_naive_across_several_blocks():
+    structure, projections = batch("full | root()", [2, 130], n=150, channels=1)
+    projections = [p[:2] for p in projections]
+    structure.arcs, structure.nodes = structure.arcs[:2], structure.nodes[:2]
+    naive = outputs_and_gradients(head_kernels.naive, projections, 0.2, structure)
+    assert_all_close(outputs_and_gradients(flex, projections, 0.2, structure), naive, 1e-10, 1e-10)
+
+
+# ---- CUDA: the compiled kernel ------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the flex kernel's CUDA run is not tested here")
+class TestCuda:
+    """The compiled (Triton) kernel against the naive kernel in float64 on the CPU."""
+
+    @pytest.mark.parametrize("buckets", [0, 3, [2, 4]])
+    @pytest.mark.parametrize("topology", TOPOLOGIES)
+    def test_compiled_flex_equals_naive(self, topology, buckets):
+        self.compare(topology, buckets, n=37)
+
+    @pytest.mark.parametrize("topology", ["full", "full | root()", "causal"])
+    def test_compiled_flex_equals_naive_across_blocks(self, topology):
+        self.compare(topology, [2, 130], n=300)
+
+    def test_compiled_flex_with_a_score_bias_and_inside_torch_compile(self):
+        structure, projections = batch("full | root()", 2, n=50)
+        bias = torch.randn(projections[0].shape[2], 2, dtype=torch.float64)
+        expected = outputs_and_gradients(reference, projections, 0.5, structure, bias)
+        cuda_structure, cuda_projections = batch("full | root()", 2, n=50, device="cuda")
+        cuda_projections = [p.float() for p in cuda_projections]
+        compiled = torch.compile(flex)
+        for kernel in (flex, compiled):
+            ours = outputs_and_gradients(kernel, cuda_projections, 0.5, cuda_structure, bias.float().cuda())
+            scale = max(float(t.detach().abs().max()) for t in expected)
+            assert_all_close([t.cpu() for t in ours], expected, atol=1e-5 * scale, rtol=1e-4)
+
+    def compare(self, topology, buckets, n):
+        structure, projections = batch(topology, buckets, n)
+        naive = outputs_and_gradients(head_kernels.naive, projections, 0.5, structure)
+        cuda_structure, cuda_projections = batch(topology, buckets, n, device="cuda")
+        ours = outputs_and_gradients(flex, [p.float() for p in cuda_projections], 0.5, cuda_structure)
+        scale = max(float(t.detach().abs().max()) for t in naive)
+        assert_all_close([t.cpu() for t in ours], naive, atol=1e-5 * scale, rtol=1e-4)
