@@ -15,6 +15,10 @@ never restated: the PT runs its "naive" head kernel (the fused kernel picks tile
 length and calls a CPU-only op), and FoldedContext is right-padded to ``max_length``
 (it is causal, so padding changes no earlier output). ``export`` loads what it wrote,
 runs it on an example batch and refuses to finish unless it matches the source model.
+A PT's declared ``Pairwise`` factor (``PTConfig(pairwise=...)``) is data and goes in every
+format; a user factor added to ``model.crf.factors`` is code: the torch folder refuses it
+by name, the traced formats trace it (its messages by autograd), or name it when its own
+code does not trace.
 Loading is ``probformer.deploy.reader`` (nothing in a file is ever executed).
 """
 
@@ -63,6 +67,28 @@ def _refuse_untraceable(kind: str, model: nn.Module, format: str) -> None:
         raise ValueError(
             f"format {format!r} cannot hold a PT with {', '.join(found)}; "
             "export it with format='torch' (the model itself, every option)"
+        )
+
+
+def _undeclared_factors(kind: str, model: nn.Module) -> list[str]:
+    """A PT's extra factors that its config does not declare (``PTConfig(pairwise=...)``
+    declares one ``Pairwise``): user factors added to ``model.crf.factors``, as
+    "'name' (Class)". They are Python code, which no export stores or runs."""
+    if kind != "probabilistic_transformer":
+        return []
+    factors = list(getattr(model.crf, "factors", ()))
+    declared = 1 if model.config.pairwise else 0
+    return [f"{factor.name!r} ({type(factor).__name__})" for factor in factors[declared:]]
+
+
+def _refuse_undeclared_factors(undeclared: list[str], format: str) -> None:
+    """The torch folder rebuilds the model from its config: a factor the config does not
+    declare would be lost (and its weights refused on load), so it is refused by name."""
+    if undeclared and format == "torch":
+        raise ValueError(
+            f"format 'torch' cannot hold a PT with the user factor(s) {', '.join(undeclared)}: the folder "
+            "stores the config and weights, never code; export it traced (format='onnx' or 'exported'), "
+            "or declare a built-in factor in its config (PTConfig(pairwise='chain()'))"
         )
 
 
@@ -135,6 +161,8 @@ def export(
     pretrained.check_declared(model)
     if format != "torch":
         _refuse_untraceable(kind, model, format)
+    undeclared = _undeclared_factors(kind, model)
+    _refuse_undeclared_factors(undeclared, format)
     tokens, mask = _example(model, example)
     was_training = model.training
     model.eval()
@@ -144,7 +172,17 @@ def export(
     writer = {"torch": _write_folder, "exported": _write_exported, "onnx": _write_onnx}[format]
 
     def write_and_check(target: Path) -> None:
-        writer(target, model, vocabulary, max_length)
+        try:
+            writer(target, model, vocabulary, max_length)
+        except Exception as error:  # torch.export's and ONNX's errors have many types
+            if not undeclared:
+                raise
+            # a user factor is traced with the model (its messages by autograd): its own code
+            # may depend on the traced length or on values
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(
+                f"format {format!r} could not trace the PT with the user factor(s) {', '.join(undeclared)}: {first}"
+            ) from error
         with torch.no_grad():
             found = load(target)(tokens, mask)
         error = (found.float() - expected.float()).abs().max().item()
