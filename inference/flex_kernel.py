@@ -1,6 +1,6 @@
 """The head messages (``inference.head_kernels``'s docstring) through torch's flex_attention.
 
-One attention head per (distance group k, channel c), head h = k * C + c: it attends with
+One attention head per (channel c, distance group k), head h = c * K + k: it attends with
 group k's query and key over the arcs of group k only (a block mask built from the
 structure), so its log-normaliser lse_k covers exactly the row's arcs of group k. The row
 lse merges them by log-sum-exp with the null head (logit 0 on rows with no legal head), and
@@ -8,6 +8,9 @@ group k's forward message is its output times exp(lse_k - lse). The reverse mess
 same attention with queries and keys swapped and the key bias ``-lse`` of the forward rows,
 un-normalised by its own lse (as in ``head_kernels.fused``). A ``bias [K, C]`` on the scores
 of group k, channel c is a constant per head: it shifts that head's lse and nothing else.
+Projections with a group axis of size 1 (one shared by every group) are flex's grouped-query
+attention: C key/value heads, each read by its channel's K query heads (the queries are
+repeated per group; keys and values are not), and the messages are summed over the groups.
 
 Memory: the projections in head layout and the per-head lse, O(n); the block masks'
 metadata, O((n / 128)^2) per head; the compiled kernels keep nothing n x n. The block masks
@@ -86,11 +89,11 @@ def _block_counts(structure: HeadStructure, groups: int) -> torch.Tensor:
 
 
 def _block_mask(counts: torch.Tensor, channels: int, mask_mod, size: int) -> BlockMask:
-    """A BlockMask over heads h = k * C + c from the per-group block counts: blocks with every
+    """A BlockMask over heads h = c * K + k from the per-group block counts: blocks with every
     arc are "full" (no mask_mod there), blocks with some are partial."""
 
     def ordered(blocks: torch.Tensor):
-        blocks = blocks.to(torch.int32).repeat_interleave(channels, dim=1)
+        blocks = blocks.to(torch.int32).repeat(1, channels, 1, 1)
         indices = torch.argsort(blocks, dim=-1, descending=True, stable=True)
         return blocks.sum(-1, dtype=torch.int32), indices.to(torch.int32)
 
@@ -108,10 +111,10 @@ def _block_masks(structure: HeadStructure, groups: int, channels: int) -> tuple[
     arcs = structure.arcs
 
     def forward_mask(batch, head, q_idx, kv_idx):
-        return arcs[batch, q_idx, kv_idx] & (_group_of(q_idx, kv_idx, structure) == head // channels)
+        return arcs[batch, q_idx, kv_idx] & (_group_of(q_idx, kv_idx, structure) == head % groups)
 
     def reverse_mask(batch, head, q_idx, kv_idx):
-        return arcs[batch, kv_idx, q_idx] & (_group_of(kv_idx, q_idx, structure) == head // channels)
+        return arcs[batch, kv_idx, q_idx] & (_group_of(kv_idx, q_idx, structure) == head % groups)
 
     counts = _block_counts(structure, groups)
     size = arcs.shape[-1]
@@ -123,19 +126,19 @@ def _block_masks(structure: HeadStructure, groups: int, channels: int) -> tuple[
 
 def _attention(q, k, v, block_mask: BlockMask):
     """``softmax(q k^T + mask) v`` and its natural-log lse (``-inf`` on rows with no key, whose
-    output is 0), differentiable in q, k, v and the lse."""
+    output is 0), differentiable in q, k, v and the lse. Fewer key/value heads than query
+    heads: query head h reads key/value head h // (H_q / H_kv)."""
     width = v.shape[-1]
     pad = lambda t: F.pad(t, (0, max(0, _MIN_HEAD_DIM - t.shape[-1])))  # noqa: E731
     q, k, v = pad(q), pad(k), pad(v)
     if q.device.type == "cpu":  # the eager reference (see the module docstring)
         options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
-        out, lse_base2, _ = _flex_reference(q, k, v, _same_score, block_mask.as_tuple(), 1.0, options)
+        out, lse_base2, _ = _flex_reference(q, k, v, _same_score, block_mask.as_tuple(), 1.0, options)  # GQA too
         lse = lse_base2 * math.log(2)  # the reference returns the kernels' base-2 lse
     else:
         attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention
-        out, aux = attend(
-            q, k, v, block_mask=block_mask, scale=1.0, kernel_options=_KERNEL_OPTIONS, return_aux=AuxRequest(lse=True)
-        )
+        options = dict(scale=1.0, enable_gqa=k.shape[1] != q.shape[1], kernel_options=_KERNEL_OPTIONS)
+        out, aux = attend(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True), **options)
         lse = aux.lse
     return out[..., :width], lse.to(out.dtype)  # the Triton kernel keeps lse in float32
 
@@ -152,11 +155,13 @@ def flex(
     bias: torch.Tensor | None = None,
 ) -> HeadMessages:
     """The contract of ``head_kernels.fused`` (half precision computed in float32, a wider
-    ``compute_dtype`` on request), plus ``bias [K, C]`` added to the scores of group k,
-    channel c."""
+    ``compute_dtype`` on request, ``bias [K, C]`` added to the scaled scores of group k,
+    channel c, a group axis of size 1 shared by every group)."""
     if structure.prior is not None:
         raise ValueError("the flex kernel has no head prior (adaptive span); use kernel='naive'")
-    groups, channels = query.shape[2], query.shape[3]
+    groups, channels = _group_count(structure), query.shape[3]
+    if query.shape[2] not in (1, groups):
+        raise ValueError(f"query must have a group axis of 1 or K = {groups} (the structure's), got {query.shape[2]}")
     if bias is not None and tuple(bias.shape) != (groups, channels):
         raise ValueError(f"bias must have shape [K, C] = [{groups}, {channels}], got {list(bias.shape)}")
     dtype = query.dtype
@@ -169,37 +174,54 @@ def flex(
     return HeadMessages(narrow(result.forward), narrow(result.reverse), narrow(result.lse), query=query, key=key)
 
 
+def _group_count(structure: HeadStructure) -> int:
+    """K: both directions' buckets, plus the virtual group where there are virtual nodes."""
+    return structure.virtual_group + (1 if structure.nodes.shape[1] > structure.n else 0)
+
+
 def _flex(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool, bias) -> HeadMessages:
-    B, N, K, C, r = query.shape
-    heads = lambda t: t.permute(0, 2, 3, 1, 4).reshape(B, K * C, N, t.shape[-1])  # noqa: E731
-    unheads = lambda t: t.reshape(B, K, C, N, t.shape[-1]).permute(0, 3, 1, 2, 4)  # noqa: E731
+    B, N, slots, C, r = query.shape  # slots = 1: one projection shared by every group
+    K = _group_count(structure)
+
+    def heads(t: torch.Tensor) -> torch.Tensor:  # [B, N, G, C, w] -> [B, C * G, N, w]
+        return t.permute(0, 3, 2, 1, 4).reshape(B, C * t.shape[2], N, t.shape[-1])
+
+    def query_heads(t: torch.Tensor) -> torch.Tensor:  # -> [B, C * K, N, w]: one per group
+        return heads(t.expand(B, N, K, C, t.shape[-1]))
+
+    def messages_of(out: torch.Tensor) -> torch.Tensor:  # [B, C * K, N, w] -> [B, N, slots, C, w]
+        out = out.reshape(B, C, K, N, out.shape[-1])
+        out = out.sum(2, keepdim=True) if slots == 1 else out
+        return out.permute(0, 3, 2, 1, 4)
+
     forward_mask, reverse_mask = _block_masks(structure, K, C)
-    query_h, key_h = heads(query), heads(key)
+    key_h = heads(key)
     # the scale goes into the queries (any finite scale, 0 included)
-    out, lse_parts = _attention(scale * query_h, key_h, heads(value) if messages else key_h, forward_mask)
-    lse_parts = lse_parts.view(B, K, C, N)
+    out, lse_parts = _attention(scale * query_heads(query), key_h, heads(value) if messages else key_h, forward_mask)
+    lse_parts = lse_parts.view(B, C, K, N)
     if bias is not None:
-        lse_parts = lse_parts + bias[None, :, :, None]
+        lse_parts = lse_parts + bias.T[None, :, :, None]
     null = torch.where(structure.has_head, -math.inf, 0.0).to(lse_parts.dtype)  # [B, N]
-    lse = torch.cat([null[:, None, None].expand(B, 1, C, N), lse_parts], 1).logsumexp(1)  # [B, C, N]
+    lse = torch.cat([null[:, None, None].expand(B, C, 1, N), lse_parts], 2).logsumexp(2)  # [B, C, N]
     if not messages:  # the ELBO needs only the normalisers
         return HeadMessages(None, None, lse)
 
     # a group with no arc in a row has lse_k = -inf: weight 0, gradient 0
-    weight = (lse_parts - lse[:, None]).exp().reshape(B, K * C, N, 1)
-    forward = unheads(weight * out)
+    weight = (lse_parts - lse[:, :, None]).exp().reshape(B, C * K, N, 1)
+    forward = messages_of(weight * out)
 
-    # reverse: head i gathers its dependents j, P(j -> i) = exp(score_ji - lse_j); the key
-    # bias -lse_j rides in one extra head dimension (q' = [scale key, 1], k' = [query, -lse])
-    key_bias = (-lse)[:, None].expand(B, K, C, N).reshape(B, K * C, N, 1)
-    q_rev = torch.cat([scale * key_h, torch.ones_like(key_bias)], -1)
-    k_rev = torch.cat([query_h, key_bias], -1)
+    # reverse: head i gathers its dependents j, P(j -> i) = exp(score_ji + bias - lse_j); the
+    # key bias -lse_j rides in one extra head dimension (q' = [scale key, 1], k' = [query, -lse])
+    q_rev = scale * query_heads(key)
+    q_rev = torch.cat([q_rev, torch.ones_like(q_rev[..., :1])], -1)
+    key_bias = (-lse)[:, :, None, :, None].expand(B, C, slots, N, 1).reshape(B, C * slots, N, 1)
+    k_rev = torch.cat([heads(query), key_bias], -1)
     out_rev, lse_rev = _attention(q_rev, k_rev, heads(value_rev), reverse_mask)
-    lse_rev = lse_rev.view(B, K, C, N)
+    lse_rev = lse_rev.view(B, C, K, N)
     if bias is not None:
-        lse_rev = lse_rev + bias[None, :, :, None]
+        lse_rev = lse_rev + bias.T[None, :, :, None]
     # lse_rev = log sum_j P(j -> i) <= log N exactly, but each term is exp(score - lse_j) with
     # lse_j rounded elsewhere: past ~1e7 in float32 that can overflow, so cap it (as fused does)
     lse_rev = lse_rev.clamp(max=math.log(N))
-    reverse = unheads(lse_rev.exp().reshape(B, K * C, N, 1) * out_rev)
+    reverse = messages_of(lse_rev.exp().reshape(B, C * K, N, 1) * out_rev)
     return HeadMessages(forward, reverse, lse)

@@ -64,8 +64,11 @@ def batch(topology, gamma, n, channels=2, seed=0, device="cpu"):
 
 def reference(query, key, value, value_rev, scale, structure, bias=None):
     """The messages of head_kernels' docstring, materialised: logits from each arc's own
-    group, a null head of logit 0 on rows with no legal head."""
-    K = query.shape[2]
+    group, a null head of logit 0 on rows with no legal head. A group axis of size 1 is
+    every group's projection, and the messages come back summed over the groups."""
+    shared = query.shape[2] == 1
+    K = 2 * (structure.gamma + 1) + (1 if structure.nodes.shape[1] > structure.n else 0)
+    query, key, value, value_rev = (t.expand(-1, -1, K, -1, -1) for t in (query, key, value, value_rev))
     one_hot = torch.nn.functional.one_hot(structure.groups, K).to(query.dtype)  # [N, N, K]
     scores = torch.einsum("bikcr,bjkcr,ijk->bcij", query, key, one_hot) * scale
     if bias is not None:
@@ -76,6 +79,8 @@ def reference(query, key, value, value_rev, scale, structure, bias=None):
     probs, lse = extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
     forward = torch.einsum("bcij,ijk,bjkcr->bikcr", probs, one_hot, value)
     reverse = torch.einsum("bcji,jik,bjkcr->bikcr", probs, one_hot, value_rev)
+    if shared:
+        forward, reverse = forward.sum(2, keepdim=True), reverse.sum(2, keepdim=True)
     return forward, reverse, lse
 
 
@@ -108,20 +113,27 @@ def test_flex_equals_naive_in_values_and_gradients(topology, buckets):
     assert_all_close(ours, naive, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_flex_with_a_score_bias_equals_the_dense_reference(topology):
+def test_flex_with_a_score_bias_equals_the_dense_reference(topology, shared):
     structure, projections = batch(topology, [2, 4], n=9)
     bias = 2 * torch.randn(projections[0].shape[2], projections[0].shape[3], dtype=torch.float64)
+    if shared:  # one projection for every group (graphs.ternary's shared form)
+        projections = [p[:, :, :1] for p in projections]
     expected = outputs_and_gradients(reference, projections, 1.3, structure, bias)
     ours = outputs_and_gradients(flex, projections, 1.3, structure, bias)
     assert_all_close(ours, expected, atol=1e-10, rtol=1e-10)
 
 
-def test_the_dense_reference_is_the_naive_kernel():
-    """The test's own reference agrees with the library's naive kernel (no bias)."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_dense_reference_is_the_naive_kernel(shared):
+    """The test's own reference agrees with the library's naive kernel."""
     structure, projections = batch("full | root()", 2, n=7)
-    expected = outputs_and_gradients(head_kernels.naive, projections, 0.9, structure)
-    assert_all_close(outputs_and_gradients(reference, projections, 0.9, structure), expected, 1e-12, 1e-12)
+    bias = torch.randn(projections[0].shape[2], projections[0].shape[3], dtype=torch.float64)
+    if shared:
+        projections = [p[:, :, :1] for p in projections]
+    expected = outputs_and_gradients(head_kernels.naive, projections, 0.9, structure, bias)
+    assert_all_close(outputs_and_gradients(reference, projections, 0.9, structure, bias), expected, 1e-12, 1e-12)
 
 
 def test_flex_at_length_40_in_float32():
@@ -164,6 +176,8 @@ def test_bad_arguments_are_refused():
     structure, projections = batch("full", 1, n=4)
     with pytest.raises(ValueError, match=r"bias must have shape \[K, C\]"):
         flex(*projections, 1.0, structure, bias=torch.zeros(2))
+    with pytest.raises(ValueError, match="query must have a group axis of 1 or K"):
+        flex(*(p[:, :, :2] for p in projections), 1.0, structure)
     structure.prior = torch.zeros(2, 4, 4)
     with pytest.raises(ValueError, match="no head prior"):
         flex(*projections, 1.0, structure)
@@ -177,11 +191,16 @@ def test_bad_arguments_are_refused():
     channels=st.integers(1, 3),
     scale=st.sampled_from([0.0, 0.3, 1.0, -2.0]),
     with_bias=st.booleans(),
+    shared=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_flex_equals_the_dense_reference_on_random_structures(topology, buckets, n, channels, scale, with_bias, seed):
+def test_flex_equals_the_dense_reference_on_random_structures(
+    topology, buckets, n, channels, scale, with_bias, shared, seed
+):
     structure, projections = batch(topology, buckets, n, channels, seed)
     bias = torch.randn(projections[0].shape[2], channels, dtype=torch.float64) if with_bias else None
+    if shared:  # one projection for every group
+        projections = [p[:, :, :1] for p in projections]
     expected = outputs_and_gradients(reference, projections, scale, structure, bias)
     assert_all_close(outputs_and_gradients(flex, projections, scale, structure, bias), expected, 1e-10, 1e-10)
 
@@ -207,7 +226,12 @@ def as_elements(blocks, size):
 
 @pytest.mark.parametrize(
     "topology, buckets, n, some_full",
-    [("full", 2, 400, True), ("full | root()", [2, 130], 520, True), ("causal", 0, 300, True), ("window(2)", 1, 200, False)],
+    [
+        ("full", 2, 400, True),
+        ("full | root()", [2, 130], 520, True),
+        ("causal", 0, 300, True),
+        ("window(2)", 1, 200, False),
+    ],
 )
 def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, some_full):
     """What the compiled kernel attends to: full blocks whole, partial blocks through the
@@ -217,7 +241,7 @@ def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, s
     structure, projections = batch(topology, buckets, n, channels)
     K, N = projections[0].shape[2], structure.nodes.shape[1]
     forward, reverse = flex_kernel._block_masks(structure, K, channels)
-    head_group = torch.arange(K * channels) // channels
+    head_group = torch.arange(channels * K) % K  # head h = c * K + k
     arcs = structure.arcs[:, None] & (structure.groups == head_group[:, None, None])  # [B, H, N, N]
     for block_mask, expected in ((forward, arcs), (reverse, arcs.transpose(-1, -2))):
         nb = block_mask.kv_indices.shape[-1]
@@ -245,7 +269,10 @@ def test_flex_equals_naive_across_several_blocks():
 # ---- CUDA: the compiled kernel ------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the flex kernel's CUDA run is not tested here")
+NO_CUDA = "no CUDA device: the flex kernel's CUDA run is not tested here"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 class TestCuda:
     """The compiled (Triton) kernel against the naive kernel in float64 on the CPU."""
 
@@ -258,12 +285,14 @@ class TestCuda:
     def test_compiled_flex_equals_naive_across_blocks(self, topology):
         self.compare(topology, [2, 130], n=300)
 
-    def test_compiled_flex_with_a_score_bias_and_inside_torch_compile(self):
+    @pytest.mark.parametrize("shared", [False, True])
+    def test_compiled_flex_with_a_score_bias_and_inside_torch_compile(self, shared):
         structure, projections = batch("full | root()", 2, n=50)
         bias = torch.randn(projections[0].shape[2], 2, dtype=torch.float64)
-        expected = outputs_and_gradients(reference, projections, 0.5, structure, bias)
+        slots = slice(0, 1) if shared else slice(None)  # shared: flex's grouped-query attention
+        expected = outputs_and_gradients(reference, [p[:, :, slots] for p in projections], 0.5, structure, bias)
         cuda_structure, cuda_projections = batch("full | root()", 2, n=50, device="cuda")
-        cuda_projections = [p.float() for p in cuda_projections]
+        cuda_projections = [p[:, :, slots].float() for p in cuda_projections]
         compiled = torch.compile(flex)
         for kernel in (flex, compiled):
             ours = outputs_and_gradients(kernel, cuda_projections, 0.5, cuda_structure, bias.float().cuda())
