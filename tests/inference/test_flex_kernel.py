@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import graphs
-from inference import flex_kernel, head_kernels
+from inference import flex_kernel, head_kernels, mean_field
 from inference.flex_kernel import flex
 from inference.head_kernels import HeadStructure
 
@@ -203,6 +203,45 @@ def test_flex_equals_the_dense_reference_on_random_structures(
         projections = [p[:, :, :1] for p in projections]
     expected = outputs_and_gradients(reference, projections, scale, structure, bias)
     assert_all_close(outputs_and_gradients(flex, projections, scale, structure, bias), expected, 1e-10, 1e-10)
+
+
+@pytest.mark.skipif(
+    "flex" not in mean_field.KERNELS, reason="MeanField has no kernel='flex' yet (inference/mean_field.py)"
+)
+@pytest.mark.parametrize("form", ["low_rank", "shared"])
+@pytest.mark.parametrize("topology", ["causal", "full | root()"])
+def test_mean_field_with_flex_equals_naive(topology, form):
+    """The whole engine: logits, ELBO and parameter gradients, with padding."""
+    torch.manual_seed(0)
+    options = dict(vocab_size=9, labels=4, channels=2, rank=3, global_labels=2, topology=topology, gamma=[2, 4])
+    crf = graphs.CRF(**options, **({"ternary_form": "shared"} if form == "shared" else {})).double()
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.mul_(3.0)
+    tokens = torch.randint(0, 9, (2, 10))
+    mask = torch.arange(10)[None] < torch.tensor([[10], [6]])
+    results = {}
+    for kernel in ("naive", "flex"):
+        crf.zero_grad()
+        post = mean_field.MeanField(crf, iterations=3, kernel=kernel, weights="reference")(tokens, mask)
+        (post.logits.square().sum() + post.elbo.sum()).backward()
+        results[kernel] = [post.logits.detach(), post.elbo.detach(), *(p.grad.clone() for p in crf.parameters())]
+    assert_all_close(results["flex"], results["naive"], atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.skipif(
+    "flex" not in mean_field.KERNELS, reason="MeanField has no kernel='flex' yet (inference/mean_field.py)"
+)
+def test_auto_picks_flex_on_cuda_and_flex_refuses_what_it_cannot_do():
+    crf = graphs.CRF(vocab_size=9, labels=4, channels=2, rank=3)
+    auto = mean_field.MeanField(crf)
+    assert auto.resolved_kernel(10, torch.device("cuda")) == "flex"  # a device name: no GPU needed
+    assert auto.resolved_kernel(10, torch.device("cpu")) == "naive"
+    assert mean_field.MeanField(crf, damping=(0.0, 0.5)).resolved_kernel(10, torch.device("cuda")) == "naive"
+    with pytest.raises(ValueError, match="kernel='flex' supports no"):
+        mean_field.MeanField(crf, kernel="flex", damping=0.5)
+    with pytest.raises(ValueError, match="kernel='flex' cannot apply dropout"):
+        mean_field.MeanField(crf, kernel="flex", dropout=0.1).train().resolved_kernel(10, torch.device("cuda"))
 
 
 # ---- the block masks the compiled kernel walks -------------------------------------
