@@ -6,11 +6,7 @@ log-evidence grows by ``log sum_i W_i exp(inc_i)`` with W the normalised weights
 before the step (so it stays unbiased across resampling); then every filter whose
 ESS / N falls below ``ess_threshold`` resamples (its weights become uniform).
 
-Resamplers (offspring counts have expectation N w_i): multinomial, stratified,
-systematic, residual. Relaxations for training through resampling:
-``"gumbel-softmax"`` (each new particle is a softmax((log w + Gumbel) / tau) mixture
-of the old ones) and ``"straight-through"`` (the hard Gumbel-max choice forward, the
-soft mixture's gradient backward).
+Resamplers and relaxations: ``inference.resamplers``.
 
 Two ways in:
     smc.filter(init, step, num_steps, batch_size=B)   plain tensor callables
@@ -29,10 +25,18 @@ import pyro
 import torch
 from pyro import poutine
 
-__all__ = ["SMC", "SMCResult", "RESAMPLERS", "RELAXATIONS", "resample_indices"]
+from inference.resamplers import (
+    RELAXATIONS,
+    RESAMPLERS,
+    gather,
+    mix,
+    relaxed_mixing,
+    resample_indices,
+    select,
+    systematic_ancestors,
+)
 
-RESAMPLERS = ("multinomial", "stratified", "systematic", "residual")
-RELAXATIONS = (None, "gumbel-softmax", "straight-through")
+__all__ = ["SMC", "SMCResult", "RESAMPLERS", "RELAXATIONS", "resample_indices"]
 
 # Limits (issue 17): absurd sizes are refused before anything is allocated or looped over.
 MAX_PARTICLES = 2**24  # N: the ancestors [T, B, N] and a relaxation's [B, N, N] scale with it
@@ -60,10 +64,17 @@ _BAD_WEIGHTS = (
 )
 
 
-def _bad_weights(joint_max: torch.Tensor) -> torch.Tensor:
-    """``[3, B]`` per filter: NaN, +inf, every particle at -inf, read off the row maxima of
-    the new log-weights (amax propagates NaN) that the step computes anyway. No sync."""
-    return torch.stack([joint_max.isnan(), joint_max == math.inf, joint_max == -math.inf])
+def _first_bad(row_maxima: torch.Tensor, lowest: float) -> torch.Tensor:
+    """``[3, B]``: the first step where each filter's log-weights went NaN, +inf or all zero
+    weight (``T`` if never), read off the row maxima ``[T, B]`` of the new log-weights of
+    every step (amax propagates NaN) once after the run. Zero weight is -inf or, carried
+    inside the loop, the lowest finite number (plus any increment short of overflow)."""
+    T, B = row_maxima.shape
+    if T == 0:
+        return torch.zeros(3, B, device=row_maxima.device, dtype=torch.long)
+    bad = torch.stack([row_maxima.isnan(), row_maxima == math.inf, row_maxima <= lowest / 2])  # [3, T, B]
+    steps = torch.arange(T, device=row_maxima.device)[:, None]
+    return torch.where(bad, steps, T).amin(1)
 
 
 def _raise_bad_weights(first_bad: torch.Tensor, never: int) -> None:
@@ -96,72 +107,6 @@ def _is_real(value) -> bool:
 def _check_count(name: str, value, minimum: int, maximum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
-
-
-def resample_indices(weights: torch.Tensor, method: str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Ancestor indices ``[B, N]`` for normalised weights ``[B, N]``."""
-    B, N = weights.shape
-    device, dtype = weights.device, weights.dtype
-    if method == "multinomial":
-        return torch.multinomial(weights, N, replacement=True, generator=generator)
-    if method == "residual":
-        # floor(N w_j) deterministic copies of j fill the first D = sum_j copies_j slots (the
-        # histogram-and-cumsum of the systematic resampler); the other N - D slots are drawn
-        # from the residuals. N draws per filter are taken and the first N - D used: the number
-        # differs per filter, and a fixed shape keeps it one batched call (no host sync).
-        copies = torch.floor(N * weights)
-        filled = copies.cumsum(-1)  # [B, N]
-        slots = torch.arange(N, device=device, dtype=dtype).expand(B, N)
-        deterministic = torch.searchsorted(filled.contiguous(), slots.contiguous(), right=True).clamp(max=N - 1)
-        residual = (N * weights - copies).clamp(min=0)
-        total = residual.sum(-1, keepdim=True)
-        residual = torch.where(total > 0, residual, 1.0)  # no residual slot to fill: any valid row
-        drawn = torch.multinomial(residual, N, replacement=True, generator=generator)
-        used = filled[:, -1:]  # [B, 1] D
-        from_residual = (slots - used).clamp(min=0).long()
-        return torch.where(slots < used, deterministic, drawn.gather(1, from_residual))
-    cumulative = weights.cumsum(-1)
-    cumulative[:, -1] = 1.0  # guard against rounding below the last position
-    if method == "systematic":
-        # Positions (i + u) / N pass particle j's cumulative weight c_j exactly for
-        # i >= floor(N c_j - u) + 1, so ancestor_i = #{j : that threshold <= i}: a
-        # histogram and a cumsum, O(N) instead of a binary search per position.
-        u = torch.rand(B, 1, device=device, dtype=dtype, generator=generator)
-        # floor(N c_j - u) + 1 = floor(N c_j + 1 - u): positive, so truncation is the floor
-        first = torch.add(1 - u, cumulative, alpha=N).clamp_(max=N).long()
-        ones = torch.ones((), device=device, dtype=torch.long).expand_as(first)
-        counts = torch.zeros(B, N + 1, device=device, dtype=torch.long).scatter_add_(1, first, ones)
-        return counts[:, :N].cumsum(-1).clamp_(max=N - 1)
-    if method != "stratified":
-        raise ValueError(f"unknown resampler {method!r}; allowed: {list(RESAMPLERS)}")
-    positions = (
-        torch.arange(N, device=device, dtype=dtype) + torch.rand(B, N, device=device, dtype=dtype, generator=generator)
-    ) / N
-    return torch.searchsorted(cumulative.contiguous(), positions.contiguous()).clamp(max=N - 1)
-
-
-def _gather(particles, ancestors):
-    if isinstance(particles, dict):
-        return {k: _gather(v, ancestors) for k, v in particles.items()}
-    index = ancestors.reshape(*ancestors.shape, *([1] * (particles.dim() - 2))).expand(
-        *ancestors.shape, *particles.shape[2:]
-    )
-    return particles.gather(1, index)
-
-
-def _mix(particles, mixing):
-    """New particle i = sum_j mixing[b, i, j] particle j."""
-    if isinstance(particles, dict):
-        return {k: _mix(v, mixing) for k, v in particles.items()}
-    flat = particles.reshape(*particles.shape[:2], -1)
-    return (mixing.to(flat.dtype) @ flat).reshape(particles.shape)
-
-
-def _select(mask, new, old):
-    """Per filter: ``new`` where mask[b] else ``old``."""
-    if isinstance(new, dict):
-        return {k: _select(mask, new[k], old[k]) for k in new}
-    return torch.where(mask.reshape(-1, *([1] * (new.dim() - 1))), new, old)
 
 
 class SMC:
@@ -243,23 +188,28 @@ class SMC:
             raise ValueError(f"init must return particles [B, N={N}, ...], got {tuple(first.shape)}")
         log_weights = torch.full((B, N), -math.log(N), device=device, dtype=dtype)
         log_evidence = torch.zeros(B, device=device, dtype=dtype)
-        identity = torch.arange(N, device=device).expand(B, N)
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
+        always = torch.ones(B, device=device, dtype=torch.bool) if self.ess_threshold >= 1 else None
         ess_all = torch.empty(num_steps, B, device=device, dtype=dtype)
         resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
         # written in place step by step (no stack of T tensors at the end); never resampling,
         # every step's ancestors are the identity: a view, no memory
         ancestors_all = torch.empty(num_steps, B, N, device=device, dtype=torch.long) if resampling else None
-        # bad weights are recorded on the device and reported after the loop (one host read
-        # per run, none per step); a bad filter continues on uniform weights meanwhile, so
-        # nothing downstream (the resamplers) sees a NaN
-        never = num_steps
-        first_bad = torch.full((len(_BAD_WEIGHTS), B), never, device=device, dtype=torch.long)
+        # bad weights are read off the row maxima after the loop (one host read per run, none
+        # per step); a bad filter continues on finite weights meanwhile (NaN -> 0), so nothing
+        # downstream (the resamplers) sees a NaN, and its evidence is NaN
+        row_maxima = torch.empty(num_steps, B, device=device, dtype=dtype)
+        # zero weight is carried as the lowest finite number inside the loop, so that a row is
+        # reset to uniform by arithmetic (0 * -inf would be NaN); reported as -inf
+        lowest = torch.finfo(dtype).min
         # relative weights below sqrt(smallest normal number) are flushed to exactly 0: they are
         # far below what a sum or a cumulative sum against the largest (1) can resolve, and
-        # exp() and squares of subnormal numbers run ~10x slower on CPUs (degenerate weights
-        # are full of them)
+        # exp() of numbers whose exp is subnormal, or -inf, runs ~50x slower on CPUs (degenerate
+        # weights are full of them): exp of the clamped value, then 0 at the clamp
         flush = math.log(torch.finfo(dtype).tiny) / 2
+        flushed = math.exp(flush) * 1.001  # above exp(flush) in any dtype's rounding: the clamped ones
+        threshold = self.ess_threshold * N
+        log_n = math.log(N)
         for t in range(num_steps):
             particles, increment = step(t, particles)
             if increment.shape != (B, N):
@@ -268,60 +218,59 @@ class SMC:
                 )
             joint = log_weights + increment
             top = joint.detach().amax(-1)
-            bad = _bad_weights(top)
-            first_bad = torch.where(bad, first_bad.clamp(max=t), first_bad)
-            failed = bad.any(0)
-            top = torch.where(failed, 0.0, top)
-            relative = joint.sub_(top[:, None]).masked_fill_(failed[:, None], 0.0)  # a failed filter: uniform
+            row_maxima[t] = top
+            relative = (joint - top[:, None]).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
-            unnormalised = relative.masked_fill(relative <= flush, -math.inf).exp_()  # the largest is 1
+            unnormalised = torch.nn.functional.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
             total = unnormalised.sum(-1)
             log_total = total.log()
             log_evidence = log_evidence + top + log_total
-            log_weights = relative - log_total[:, None]
-            ess = total * total / (unnormalised[:, None, :] @ unnormalised[:, :, None]).flatten()  # one pass
-            ess_all[t] = ess.detach()
-            if resampling:
-                resampled = ess < self.ess_threshold * N
-                if self.ess_threshold >= 1:
-                    resampled = torch.ones_like(resampled)
-                weights = (unnormalised / total[:, None]).detach()
-                particles = self._resample(particles, log_weights, weights, resampled, ancestors_all[t], identity)
-                log_weights = torch.where(resampled[:, None], -math.log(N), log_weights)
-                resampled_all[t] = resampled
+            norm = torch.linalg.vector_norm(unnormalised.detach(), dim=-1)
+            ess = torch.div(total.detach(), norm, out=ess_all[t]).square_()
+            if not resampling:
+                log_weights = relative - log_total[:, None]
+                continue
+            resampled = always if always is not None else torch.lt(ess, threshold, out=resampled_all[t])
+            particles = self._resample(
+                particles, relative, log_total, unnormalised.detach(), total.detach(), resampled, ancestors_all[t]
+            )
+            # uniform where resampled: relative * 0 - log N (relative is finite), else relative - log_total
+            keep = 1 - resampled.to(dtype)[:, None]
+            log_weights = (relative * keep).sub_(torch.where(resampled, log_n, log_total)[:, None])
+        if always is not None:
+            resampled_all.fill_(True)
+        first_bad = _first_bad(row_maxima, lowest)
+        never = num_steps
         if self.validate:
             _raise_bad_weights(first_bad, never)
         # unvalidated: a filter whose weights went bad reports log-evidence NaN, never a number
         log_evidence = torch.where(first_bad.amin(0) < never, math.nan, log_evidence)
+        log_weights = torch.where(log_weights > lowest / 2, log_weights, -math.inf)
         return SMCResult(
             log_evidence=log_evidence,
             log_weights=log_weights,
             particles=particles,
             ess=ess_all,
-            ancestors=ancestors_all if resampling else identity.expand(num_steps, B, N),
+            ancestors=ancestors_all if resampling else torch.arange(N, device=device).expand(num_steps, B, N),
             resampled=resampled_all,
         )
 
-    def _resample(self, particles, log_weights, weights, resampled, ancestors_out, identity):
+    def _resample(self, particles, relative, log_total, unnormalised, total, resampled, ancestors_out):
         """The new particles; the ancestors (identity in filters that do not resample) are
         written into ``ancestors_out``."""
+        if self.relaxation is None and self.resample == "systematic":
+            ancestors = systematic_ancestors(unnormalised, total, resampled, self.generator, out=ancestors_out)
+            return gather(particles, ancestors)  # the identity rows gather themselves
+        B, N = unnormalised.shape
+        identity = torch.arange(N, device=unnormalised.device).expand(B, N)
         if self.relaxation is None:
-            drawn = resample_indices(weights, self.resample, self.generator)
+            drawn = resample_indices(unnormalised / total[:, None], self.resample, self.generator)
             ancestors = torch.where(resampled[:, None], drawn, identity, out=ancestors_out)
-            return _gather(particles, ancestors)  # the identity rows gather themselves
-        B, N = weights.shape
-        uniform = torch.rand(B, N, N, device=weights.device, dtype=log_weights.dtype, generator=self.generator)
-        gumbel = -(-uniform.clamp(min=1e-20).log()).log()
-        scores = log_weights[:, None, :] + gumbel  # row i: the choice of new particle i
-        soft = (scores / self.temperature).softmax(-1)
-        hard_choice = scores.argmax(-1)
-        if self.relaxation == "straight-through":
-            hard = torch.nn.functional.one_hot(hard_choice, N).to(soft.dtype)
-            mixing = hard + soft - soft.detach()
-        else:
-            mixing = soft
+            return gather(particles, ancestors)
+        log_weights = relative - log_total[:, None]
+        mixing, hard_choice = relaxed_mixing(log_weights, self.relaxation, self.temperature, self.generator)
         torch.where(resampled[:, None], hard_choice, identity, out=ancestors_out)
-        return _select(resampled, _mix(particles, mixing), particles)
+        return select(resampled, mix(particles, mixing), particles)
 
     # ---- Pyro state-space models ------------------------------------------------------
 
