@@ -77,6 +77,19 @@ def _first_bad(row_maxima: torch.Tensor, lowest: float) -> torch.Tensor:
     return torch.where(bad, steps, T).amin(1)
 
 
+def _limits(dtype: torch.dtype) -> tuple[float, float, float]:
+    """``(lowest, flush, flushed)``. Zero weight is carried as the lowest finite number inside
+    the loop, so that a row is reset to uniform by arithmetic (0 * -inf would be NaN); it is
+    reported as -inf. Relative weights below sqrt(smallest normal number) (log: ``flush``)
+    are flushed to exactly 0: they are far below what a sum or a cumulative sum against the
+    largest (1) can resolve, and exp() of numbers whose exp is subnormal, or -inf, runs ~50x
+    slower on CPUs (degenerate weights are full of them): exp of the value clamped at
+    ``flush``, then 0 at or below ``flushed`` (just above exp(flush) in any rounding)."""
+    info = torch.finfo(dtype)
+    flush = math.log(info.tiny) / 2
+    return info.min, flush, math.exp(flush) * 1.001
+
+
 def _raise_bad_weights(first_bad: torch.Tensor, never: int) -> None:
     """One host read at the end of a run: the first step and filters where weights went bad."""
     steps = first_bad.amin(-1).tolist()
@@ -186,8 +199,13 @@ class SMC:
         dtype = first.dtype if first.dtype.is_floating_point else torch.get_default_dtype()
         if first.shape[1] != N:
             raise ValueError(f"init must return particles [B, N={N}, ...], got {tuple(first.shape)}")
-        log_weights = torch.full((B, N), -math.log(N), device=device, dtype=dtype)
-        log_evidence = torch.zeros(B, device=device, dtype=dtype)
+        # unnormalised log-weights (the largest 0, or all 0) and their log-normaliser: the
+        # normalisation is carried per filter ([B]), not applied to [B, N] every step
+        log_weights = torch.zeros(B, N, device=device, dtype=dtype)
+        log_n = math.log(N)
+        log_norm = log_n
+        # log Z = sum_t (top_t + log_total_t - log_norm_{t-1}), summed after the run
+        log_totals, log_norms = [], []
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
         always = torch.ones(B, device=device, dtype=torch.bool) if self.ess_threshold >= 1 else None
         ess_all = torch.empty(num_steps, B, device=device, dtype=dtype)
@@ -199,17 +217,8 @@ class SMC:
         # per step); a bad filter continues on finite weights meanwhile (NaN -> 0), so nothing
         # downstream (the resamplers) sees a NaN, and its evidence is NaN
         row_maxima = torch.empty(num_steps, B, device=device, dtype=dtype)
-        # zero weight is carried as the lowest finite number inside the loop, so that a row is
-        # reset to uniform by arithmetic (0 * -inf would be NaN); reported as -inf
-        lowest = torch.finfo(dtype).min
-        # relative weights below sqrt(smallest normal number) are flushed to exactly 0: they are
-        # far below what a sum or a cumulative sum against the largest (1) can resolve, and
-        # exp() of numbers whose exp is subnormal, or -inf, runs ~50x slower on CPUs (degenerate
-        # weights are full of them): exp of the clamped value, then 0 at the clamp
-        flush = math.log(torch.finfo(dtype).tiny) / 2
-        flushed = math.exp(flush) * 1.001  # above exp(flush) in any dtype's rounding: the clamped ones
+        lowest, flush, flushed = _limits(dtype)
         threshold = self.ess_threshold * N
-        log_n = math.log(N)
         for t in range(num_steps):
             particles, increment = step(t, particles)
             if increment.shape != (B, N):
@@ -217,26 +226,30 @@ class SMC:
                     f"step must return log-incremental weights [B, N] = {(B, N)}, got {tuple(increment.shape)}"
                 )
             joint = log_weights + increment
-            top = joint.detach().amax(-1)
-            row_maxima[t] = top
-            relative = (joint - top[:, None]).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
+            if joint.dtype != dtype:  # the increments promote the weights (float64 ones, float32 particles)
+                dtype = joint.dtype
+                row_maxima, ess_all = row_maxima.to(dtype), ess_all.to(dtype)
+                lowest, flush, flushed = _limits(dtype)
+            top = torch.amax(joint.detach(), -1, out=row_maxima[t])
+            relative = joint.sub_(top[:, None]).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
             unnormalised = torch.nn.functional.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
             total = unnormalised.sum(-1)
             log_total = total.log()
-            log_evidence = log_evidence + top + log_total
+            log_totals.append(log_total)
+            log_norms.append(log_norm)
             norm = torch.linalg.vector_norm(unnormalised.detach(), dim=-1)
             ess = torch.div(total.detach(), norm, out=ess_all[t]).square_()
             if not resampling:
-                log_weights = relative - log_total[:, None]
+                log_weights, log_norm = relative, log_total
                 continue
             resampled = always if always is not None else torch.lt(ess, threshold, out=resampled_all[t])
             particles = self._resample(
                 particles, relative, log_total, unnormalised.detach(), total.detach(), resampled, ancestors_all[t]
             )
-            # uniform where resampled: relative * 0 - log N (relative is finite), else relative - log_total
-            keep = 1 - resampled.to(dtype)[:, None]
-            log_weights = (relative * keep).sub_(torch.where(resampled, log_n, log_total)[:, None])
+            # all 0 where resampled (relative is finite), else relative
+            log_weights = relative * (1 - resampled.to(dtype)[:, None])
+            log_norm = torch.where(resampled, log_n, log_total)
         if always is not None:
             resampled_all.fill_(True)
         first_bad = _first_bad(row_maxima, lowest)
@@ -244,8 +257,14 @@ class SMC:
         if self.validate:
             _raise_bad_weights(first_bad, never)
         # unvalidated: a filter whose weights went bad reports log-evidence NaN, never a number
+        log_evidence = torch.zeros(B, device=device, dtype=dtype)
+        if num_steps:
+            log_evidence = row_maxima.sum(0) + torch.stack(log_totals).sum(0) - log_n
+            if num_steps > 1:
+                log_evidence = log_evidence - torch.stack(log_norms[1:]).sum(0)
         log_evidence = torch.where(first_bad.amin(0) < never, math.nan, log_evidence)
-        log_weights = torch.where(log_weights > lowest / 2, log_weights, -math.inf)
+        normaliser = log_norm[:, None] if isinstance(log_norm, torch.Tensor) else log_norm
+        log_weights = torch.where(log_weights > lowest / 2, log_weights - normaliser, -math.inf)
         return SMCResult(
             log_evidence=log_evidence,
             log_weights=log_weights,
