@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from inference import SMC
+from inference.resamplers import systematic_ancestors
 from inference.smc import RESAMPLERS, resample_indices
 
 # ---- an exact oracle: the Kalman filter -----------------------------------------------
@@ -416,3 +417,82 @@ def test_unvalidated_bad_filter_reports_nan_evidence_and_the_others_are_untouche
 
     with pytest.raises(ValueError, match=r"NaN .*: first at step 2, in filters \[1\]"):
         SMC(8).filter(lambda B: torch.zeros(B, 8), poisoned_step, 4, 3)
+
+
+# ---- the in-filter systematic resampler (unnormalised weights, per-filter decision) ----
+
+
+@given(n=st.integers(1, 80), seed=st.integers(0, 100_000), power=st.sampled_from([1, 4, 12]))
+def test_systematic_gives_floor_or_ceil_of_n_w_copies_and_sorted_ancestors(n, seed, power):
+    """Systematic resampling's defining property: particle j gets floor(N w_j) or
+    ceil(N w_j) copies, and the ancestors are sorted. Unnormalised weights (any row
+    total); filters that do not resample get the identity exactly."""
+    g = torch.Generator().manual_seed(seed)
+    scales = 10.0 ** torch.randint(-3, 4, (4, 1), generator=g, dtype=torch.float64)
+    weights = torch.rand(4, n, generator=g, dtype=torch.float64) ** power * scales
+    total = weights.sum(-1)
+    resampled = torch.tensor([True, False, True, False])
+    ancestors = systematic_ancestors(weights, total, resampled, g)
+    assert ancestors.dtype == torch.long and ancestors.shape == (4, n)
+    assert torch.equal(ancestors[~resampled], torch.arange(n).expand(2, n))
+    drawn = ancestors[resampled]
+    assert (drawn >= 0).all() and (drawn < n).all() and (drawn.diff(dim=-1) >= 0).all()
+    copies = torch.nn.functional.one_hot(drawn, n).sum(1).double()
+    expected = n * weights[resampled] / total[resampled, None]
+    assert ((copies >= torch.floor(expected - 1e-9)) & (copies <= torch.ceil(expected + 1e-9))).all()
+
+
+def test_systematic_offspring_counts_of_unnormalised_weights_have_expectation_n_w():
+    """Unbiasedness of the form the filter calls (unnormalised weights, a per-filter
+    decision): over 4,000 draws the mean number of copies of particle j is N w_j within
+    4 standard errors (the SE estimated from the draws)."""
+    N, draws = 12, 4000
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(N, generator=g, dtype=torch.float64) ** 3 * 7.0  # total ~ 1.75, not 1
+    weights = w.expand(2 * draws, N).contiguous()
+    resampled = torch.arange(2 * draws) % 2 == 0  # every other filter resamples
+    ancestors = systematic_ancestors(weights, weights.sum(-1), resampled, g)
+    copies = torch.nn.functional.one_hot(ancestors[resampled], N).sum(1).double()  # [draws, N]
+    expected = N * w / w.sum()
+    se = copies.std(0) / math.sqrt(draws) + 1e-12  # 0 where N w_j is an integer (exact copies)
+    assert ((copies.mean(0) - expected).abs() <= 4 * se + 1e-9).all(), (copies.mean(0), expected)
+    assert torch.equal(ancestors[~resampled], torch.arange(N).expand(draws, N))
+
+
+# ---- zero weight -----------------------------------------------------------------------
+
+
+def test_particles_of_zero_weight_are_never_resampled_and_report_minus_infinity():
+    """Half the particles get a -inf increment: the evidence is log(1/2) exactly, the
+    survivors share the weight, and no ancestor is a dead particle."""
+    N, B = 8, 64
+    dead = torch.arange(N) % 2 == 1
+    increment = torch.where(dead, -math.inf, 0.0).expand(B, N)
+
+    def step(t, x):
+        return x, increment if t == 0 else torch.zeros(B, N)
+
+    g = torch.Generator().manual_seed(0)
+    result = SMC(N, ess_threshold=1.0, generator=g).filter(lambda B: torch.arange(N).expand(B, N), step, 1, B)
+    torch.testing.assert_close(result.log_evidence, torch.full((B,), math.log(0.5)))
+    assert not dead[result.ancestors[0]].any() and not dead[result.particles].any()
+    never = SMC(N, ess_threshold=0.0).filter(lambda B: torch.zeros(B, N), step, 2, B)
+    assert torch.isneginf(never.log_weights[:, dead]).all()
+    torch.testing.assert_close(never.log_weights[:, ~dead], torch.full((B, N // 2), -math.log(N // 2)))
+
+
+def test_every_living_particle_killed_is_zero_weight_even_after_earlier_deaths():
+    """Particles already at zero weight must not come back when every living one gets a
+    -inf increment: the filter has no weight left."""
+
+    def step(t, x):
+        increment = torch.zeros(2, 4)
+        increment[:, :2] = -math.inf  # step 0: particles 0, 1 die
+        if t == 1:
+            increment[1] = torch.tensor([0.0, 0.0, -math.inf, -math.inf])  # filter 1: 2, 3 die too
+        return x, increment
+
+    with pytest.raises(ValueError, match=r"every particle has zero weight.*first at step 1, in filters \[1\]"):
+        SMC(4, ess_threshold=0.0).filter(lambda B: torch.zeros(B, 4), step, 3, 2)
+    result = SMC(4, ess_threshold=0.0, validate=False).filter(lambda B: torch.zeros(B, 4), step, 3, 2)
+    assert torch.isnan(result.log_evidence[1]) and result.log_evidence[0].item() == pytest.approx(math.log(0.5))
