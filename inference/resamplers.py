@@ -108,6 +108,10 @@ def gather(particles, ancestors):
     """Particles ``[B, N, ...]`` (or a dict of them) at the ancestors ``[B, N]``."""
     if isinstance(particles, dict):
         return {k: gather(v, ancestors) for k, v in particles.items()}
+    if particles.requires_grad:
+        # autograd saves the index; the filter's ancestors are a view of its [T, B, N] record,
+        # which later steps write (a bumped version): gather from a copy
+        ancestors = ancestors.clone()
     if particles.dim() == 2:
         return particles.gather(1, ancestors)
     index = ancestors.reshape(*ancestors.shape, *([1] * (particles.dim() - 2))).expand(

@@ -209,7 +209,9 @@ class SMC:
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
         always = torch.ones(B, device=device, dtype=torch.bool) if self.ess_threshold >= 1 else None
         ess_all = torch.empty(num_steps, B, device=device, dtype=dtype)
-        resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
+        # per step [B] (fresh tensors: autograd saves them, and a write into a view of one [T, B]
+        # buffer would bump the version they were saved at); stacked after the run
+        resampled_steps = []
         # written in place step by step (no stack of T tensors at the end); never resampling,
         # every step's ancestors are the identity: a view, no memory
         ancestors_all = torch.empty(num_steps, B, N, device=device, dtype=torch.long) if resampling else None
@@ -243,15 +245,17 @@ class SMC:
             if not resampling:
                 log_weights, log_norm = relative, log_total
                 continue
-            resampled = always if always is not None else torch.lt(ess, threshold, out=resampled_all[t])
+            resampled = always if always is not None else ess < threshold
+            resampled_steps.append(resampled)
             particles = self._resample(
                 particles, relative, log_total, unnormalised.detach(), total.detach(), resampled, ancestors_all[t]
             )
             # all 0 where resampled (relative is finite), else relative
             log_weights = relative * (1 - resampled.to(dtype)[:, None])
             log_norm = torch.where(resampled, log_n, log_total)
-        if always is not None:
-            resampled_all.fill_(True)
+        resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
+        if resampled_steps:
+            resampled_all = torch.stack(resampled_steps)
         first_bad = _first_bad(row_maxima, lowest)
         never = num_steps
         if self.validate:
