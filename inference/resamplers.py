@@ -39,16 +39,19 @@ def systematic_ancestors(
     u = torch.rand(B, 1, device=device, dtype=dtype, generator=generator)
     scale = float(N) if total is None else N / total[:, None]
     offset = 1 - u
-    if resampled is not None:
-        # a filter that does not resample gets weights 1 (cumulative j + 1, exact in floating
-        # point), scale 1 and offset 1/2: first_j = j + 1, the identity. Arithmetic on the
-        # finite weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs
+    if resampled is None:
+        steps = weights * scale
+    else:
+        # a filter that does not resample gets steps 1 (cumulative j + 1, exact in floating
+        # point) and offset 1/2: first_j = j + 1, the identity. Arithmetic on the finite
+        # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs
         row = resampled[:, None]
         chosen = row.to(dtype)
-        weights = (weights * chosen).add_(1 - chosen)
-        scale = torch.where(row, scale, 1.0)
+        steps = (weights * (scale * chosen)).add_(1 - chosen)
         offset = torch.where(row, offset, 0.5)
-    first = weights.cumsum(-1).mul_(scale).add_(offset).clamp_(max=N).long()  # positive: truncation is the floor
+    # the offset joins the first step: one cumulative sum gives N C_j / total + 1 - u
+    steps.narrow(1, 0, 1).add_(offset)
+    first = steps.cumsum(-1).clamp_(max=N).long()  # positive: truncation is the floor
     first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
     ones = torch.ones((), device=device, dtype=torch.int32).expand(B, N)
     counts = torch.zeros(B, N + 1, device=device, dtype=torch.int32).scatter_add_(1, first, ones)

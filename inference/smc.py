@@ -235,7 +235,7 @@ class SMC:
             top = torch.amax(joint.detach(), -1, out=row_maxima[t])
             relative = joint.sub_(top[:, None]).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
-            unnormalised = torch.nn.functional.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
+            unnormalised = torch.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
             total = unnormalised.sum(-1)
             log_total = total.log()
             log_totals.append(log_total)
