@@ -90,3 +90,21 @@ def test_config_refuses_mup_with_other_tensor_forms():
     with pytest.raises(ValueError, match="needs ternary_form='low_rank' or 'shared'"):
         config(mup=True, ternary_form="cp")
     assert dataclasses.replace(config(), mup=True).ternary_form == "shared"
+
+
+def test_shipped_shared_config_has_the_grouped_parameter_count():
+    """configs/pt-small-shared.toml against pt-small.toml at PTB's vocabulary: within 5%."""
+    from pathlib import Path
+
+    from probformer.models import registry
+    from probformer.training import run_config
+
+    counts = {}
+    for name in ("pt-small", "pt-small-shared"):
+        run = run_config.load(Path("configs") / f"{name}.toml")
+        _, model_class = registry.classes(run.kind)
+        with torch.device("meta"):
+            model = model_class(run.model_config(vocab_size=10_000))
+        counts[name] = sum(p.numel() for p in model.parameters())
+        assert model.crf.ternary_form == ("shared" if name.endswith("shared") else "low_rank")
+    assert abs(counts["pt-small-shared"] - counts["pt-small"]) / counts["pt-small"] < 0.05, counts
