@@ -37,8 +37,8 @@ def systematic_ancestors(
     B, N = weights.shape
     device, dtype = weights.device, weights.dtype
     u = torch.rand(B, 1, device=device, dtype=dtype, generator=generator)
-    scale = float(N) if total is None else N / total[:, None]
-    offset = 1 - u
+    offset = torch.rsub(u, 1)
+    scale = torch.full((B, 1), float(N), device=device, dtype=dtype) if total is None else N / total[:, None]
     if resampled is None:
         steps = weights * scale
     else:
@@ -47,7 +47,7 @@ def systematic_ancestors(
         # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs
         row = resampled[:, None]
         chosen = row.to(dtype)
-        steps = (weights * (scale * chosen)).add_(1 - chosen)
+        steps = (weights * scale.mul_(chosen)).add_(torch.rsub(chosen, 1))
         offset = torch.where(row, offset, 0.5)
     # the offset joins the first step: one cumulative sum gives N C_j / total + 1 - u
     steps.narrow(1, 0, 1).add_(offset)

@@ -251,7 +251,7 @@ class SMC:
                 particles, relative, log_total, unnormalised.detach(), total.detach(), resampled, ancestors_all[t]
             )
             # all 0 where resampled (relative is finite), else relative
-            log_weights = relative * (1 - resampled.to(dtype)[:, None])
+            log_weights = relative * resampled.logical_not().to(dtype)[:, None]
             log_norm = torch.where(resampled, log_n, log_total)
         resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
         if resampled_steps:
