@@ -12,10 +12,61 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RESAMPLERS", "RELAXATIONS", "resample_indices", "systematic_ancestors", "relaxed_mixing"]
+__all__ = [
+    "RESAMPLERS",
+    "RELAXATIONS",
+    "resample_indices",
+    "systematic_ancestors",
+    "SystematicResampler",
+    "relaxed_mixing",
+]
 
 RESAMPLERS = ("multinomial", "stratified", "systematic", "residual")
 RELAXATIONS = (None, "gumbel-softmax", "straight-through")
+
+
+class SystematicResampler:
+    """Systematic resampling of unnormalised weights ``[B, N]`` on buffers kept across calls
+    (one filter run: the same B, N, dtype and device): a filter step allocates nothing for
+    it, and its working set stays in cache.
+
+    Position i + u (u ~ U[0, 1) per filter, scaled to N) falls past particle j's cumulative
+    weight C_j exactly for i >= first_j = floor(N C_j / total + 1 - u), so ancestor_i =
+    #{j : first_j <= i}: a histogram of first (one scatter-add) and a cumulative sum. O(N)
+    per filter, where a binary search per position (``searchsorted``) is O(N log N) and,
+    on CPUs, some 100x slower at N = 1,000."""
+
+    def __init__(self, batch: int, num_particles: int, device=None, dtype: torch.dtype | None = None):
+        B, N = batch, num_particles
+        self.steps = torch.empty(B, N, device=device, dtype=dtype)
+        self.first = torch.empty(B, N, device=device, dtype=torch.long)
+        self.counts = torch.empty(B, N + 1, device=device, dtype=torch.int32)
+        self.ones = torch.ones((), device=device, dtype=torch.int32).expand(B, N)
+
+    def __call__(self, weights, total=None, resampled=None, generator=None, out=None) -> torch.Tensor:
+        """Ancestors ``[B, N]`` (int64, written into ``out`` if given) for weights ``[B, N]``
+        with row sums ``total`` ``[B]`` (None: normalised rows). Filters where ``resampled``
+        ``[B]`` is False get the identity."""
+        B, N = weights.shape
+        u = torch.rand(B, 1, device=weights.device, dtype=weights.dtype, generator=generator)
+        offset = torch.rsub(u, 1)
+        scale = float(N) if total is None else N / total[:, None]
+        if resampled is None:
+            steps = torch.mul(weights, scale, out=self.steps)
+        else:
+            # a filter that does not resample gets steps 1 (cumulative j + 1, exact in floating
+            # point) and offset 1/2: first_j = j + 1, the identity. Arithmetic on the finite
+            # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs
+            row = resampled[:, None]
+            chosen = row.to(weights.dtype)
+            steps = torch.mul(weights, chosen * scale, out=self.steps).add_(torch.rsub(chosen, 1))
+            offset = torch.where(row, offset, 0.5)
+        # the offset joins the first step: one cumulative sum gives N C_j / total + 1 - u
+        steps.narrow(1, 0, 1).add_(offset)
+        first = self.first.copy_(steps.cumsum_(-1).clamp_(max=N))  # positive: truncation is the floor
+        first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
+        counts = self.counts.zero_().scatter_add_(1, first, self.ones)
+        return torch.cumsum(counts[:, :N], -1, dtype=torch.long, out=out)
 
 
 def systematic_ancestors(
@@ -27,35 +78,9 @@ def systematic_ancestors(
 ) -> torch.Tensor:
     """Systematic resampling of unnormalised weights ``[B, N]`` (``total`` ``[B]`` their row
     sums; None: the rows are normalised). Filters where ``resampled`` ``[B]`` is False get
-    the identity. Writes the ancestors ``[B, N]`` (int64) into ``out`` if given.
-
-    Position i + u (u ~ U[0, 1) per filter, scaled to N) falls past particle j's cumulative
-    weight C_j exactly for i >= first_j = floor(N C_j / total + 1 - u), so ancestor_i =
-    #{j : first_j <= i}: a histogram of first (one scatter-add) and a cumulative sum. O(N)
-    per filter, where a binary search per position (``searchsorted``) is O(N log N) and,
-    on CPUs, some 100x slower at N = 1,000."""
+    the identity. Writes the ancestors ``[B, N]`` (int64) into ``out`` if given."""
     B, N = weights.shape
-    device, dtype = weights.device, weights.dtype
-    u = torch.rand(B, 1, device=device, dtype=dtype, generator=generator)
-    offset = torch.rsub(u, 1)
-    scale = torch.full((B, 1), float(N), device=device, dtype=dtype) if total is None else N / total[:, None]
-    if resampled is None:
-        steps = weights * scale
-    else:
-        # a filter that does not resample gets steps 1 (cumulative j + 1, exact in floating
-        # point) and offset 1/2: first_j = j + 1, the identity. Arithmetic on the finite
-        # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs
-        row = resampled[:, None]
-        chosen = row.to(dtype)
-        steps = (weights * scale.mul_(chosen)).add_(torch.rsub(chosen, 1))
-        offset = torch.where(row, offset, 0.5)
-    # the offset joins the first step: one cumulative sum gives N C_j / total + 1 - u
-    steps.narrow(1, 0, 1).add_(offset)
-    first = steps.cumsum(-1).clamp_(max=N).long()  # positive: truncation is the floor
-    first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
-    ones = torch.ones((), device=device, dtype=torch.int32).expand(B, N)
-    counts = torch.zeros(B, N + 1, device=device, dtype=torch.int32).scatter_add_(1, first, ones)
-    return torch.cumsum(counts[:, :N], -1, dtype=torch.long, out=out)
+    return SystematicResampler(B, N, weights.device, weights.dtype)(weights, total, resampled, generator, out)
 
 
 def resample_indices(weights: torch.Tensor, method: str, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -28,12 +28,12 @@ from pyro import poutine
 from inference.resamplers import (
     RELAXATIONS,
     RESAMPLERS,
+    SystematicResampler,
     gather,
     mix,
     relaxed_mixing,
     resample_indices,
     select,
-    systematic_ancestors,
 )
 
 __all__ = ["SMC", "SMCResult", "RESAMPLERS", "RELAXATIONS", "resample_indices"]
@@ -221,21 +221,33 @@ class SMC:
         row_maxima = torch.empty(num_steps, B, device=device, dtype=dtype)
         lowest, flush, flushed = _limits(dtype)
         threshold = self.ess_threshold * N
+        # without autograd a step works in place on buffers of the run (the log-weights, the
+        # weights, the resampler's): nothing allocated, a working set that stays in cache
+        weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
+        systematic = self.relaxation is None and self.resample == "systematic" and resampling
+        resampler = SystematicResampler(B, N, device, dtype) if systematic else None
         for t in range(num_steps):
             particles, increment = step(t, particles)
             if increment.shape != (B, N):
                 raise ValueError(
                     f"step must return log-incremental weights [B, N] = {(B, N)}, got {tuple(increment.shape)}"
                 )
-            joint = log_weights + increment
+            in_place = not (log_weights.requires_grad or increment.requires_grad) and increment.dtype == dtype
+            joint = log_weights.add_(increment) if in_place else log_weights + increment
             if joint.dtype != dtype:  # the increments promote the weights (float64 ones, float32 particles)
                 dtype = joint.dtype
                 row_maxima, ess_all = row_maxima.to(dtype), ess_all.to(dtype)
                 lowest, flush, flushed = _limits(dtype)
+                weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
+                resampler = SystematicResampler(B, N, device, dtype) if systematic else None
             top = torch.amax(joint.detach(), -1, out=row_maxima[t])
             relative = joint.sub_(top[:, None]).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
-            unnormalised = torch.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
+            if in_place:
+                unnormalised = torch.clamp_min(relative, flush, out=weights_buffer).exp_()
+                torch.threshold_(unnormalised, flushed, 0.0)
+            else:
+                unnormalised = torch.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
             total = unnormalised.sum(-1)
             log_total = total.log()
             log_totals.append(log_total)
@@ -247,11 +259,15 @@ class SMC:
                 continue
             resampled = always if always is not None else ess < threshold
             resampled_steps.append(resampled)
-            particles = self._resample(
-                particles, relative, log_total, unnormalised.detach(), total.detach(), resampled, ancestors_all[t]
-            )
+            weights = unnormalised.detach()
+            if resampler is not None:
+                ancestors = resampler(weights, total.detach(), resampled, self.generator, out=ancestors_all[t])
+                particles = gather(particles, ancestors)  # the identity rows gather themselves
+            else:
+                particles = self._resample(particles, relative, log_total, weights, total, resampled, ancestors_all[t])
             # all 0 where resampled (relative is finite), else relative
-            log_weights = relative * resampled.logical_not().to(dtype)[:, None]
+            keep = resampled.logical_not().to(dtype)[:, None]
+            log_weights = relative.mul_(keep) if in_place else relative * keep
             log_norm = torch.where(resampled, log_n, log_total)
         resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
         if resampled_steps:
@@ -281,13 +297,10 @@ class SMC:
     def _resample(self, particles, relative, log_total, unnormalised, total, resampled, ancestors_out):
         """The new particles; the ancestors (identity in filters that do not resample) are
         written into ``ancestors_out``."""
-        if self.relaxation is None and self.resample == "systematic":
-            ancestors = systematic_ancestors(unnormalised, total, resampled, self.generator, out=ancestors_out)
-            return gather(particles, ancestors)  # the identity rows gather themselves
         B, N = unnormalised.shape
         identity = torch.arange(N, device=unnormalised.device).expand(B, N)
         if self.relaxation is None:
-            drawn = resample_indices(unnormalised / total[:, None], self.resample, self.generator)
+            drawn = resample_indices(unnormalised / total.detach()[:, None], self.resample, self.generator)
             ancestors = torch.where(resampled[:, None], drawn, identity, out=ancestors_out)
             return gather(particles, ancestors)
         log_weights = relative - log_total[:, None]
