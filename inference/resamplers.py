@@ -41,6 +41,7 @@ class SystematicResampler:
         self.steps = torch.empty(B, N, device=device, dtype=dtype)
         self.first = torch.empty(B, N, device=device, dtype=torch.long)
         self.counts = torch.empty(B, N + 1, device=device, dtype=torch.int32)
+        self.ancestors = torch.empty(B, N, device=device, dtype=torch.int32)
         self.ones = torch.ones((), device=device, dtype=torch.int32).expand(B, N)
 
     def __call__(self, weights, total=None, resampled=None, generator=None, out=None) -> torch.Tensor:
@@ -50,14 +51,14 @@ class SystematicResampler:
         B, N = weights.shape
         u = torch.rand(B, 1, device=weights.device, dtype=weights.dtype, generator=generator)
         offset = torch.rsub(u, 1)
-        scale = float(N) if total is None else N / total[:, None]
+        scale = float(N) if total is None else torch.reciprocal(total.detach()).mul_(N).unsqueeze(1)
         if resampled is None:
             steps = torch.mul(weights, scale, out=self.steps)
         else:
             # a filter that does not resample gets steps 1 (cumulative j + 1, exact in floating
             # point) and offset 1/2: first_j = j + 1, the identity. Arithmetic on the finite
             # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs
-            row = resampled[:, None]
+            row = resampled.unsqueeze(1)
             chosen = row.to(weights.dtype)
             steps = torch.mul(weights, chosen * scale, out=self.steps).add_(torch.rsub(chosen, 1))
             offset = torch.where(row, offset, 0.5)
@@ -66,7 +67,10 @@ class SystematicResampler:
         first = self.first.copy_(steps.cumsum_(-1).clamp_(max=N))  # positive: truncation is the floor
         first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
         counts = self.counts.zero_().scatter_add_(1, first, self.ones)
-        return torch.cumsum(counts[:, :N], -1, dtype=torch.long, out=out)
+        # an int32 cumulative sum, then one widening copy: ~2x faster on CPUs than a
+        # cumulative sum that widens as it goes
+        ancestors = torch.cumsum(counts[:, :N], -1, out=self.ancestors)
+        return out.copy_(ancestors) if out is not None else ancestors.long()
 
 
 def systematic_ancestors(

@@ -224,6 +224,9 @@ class SMC:
         # without autograd a step works in place on buffers of the run (the log-weights, the
         # weights, the resampler's): nothing allocated, a working set that stays in cache
         weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
+        # one view per step, taken once (indexing in the loop costs a Python call per step)
+        maxima_rows, ess_rows = row_maxima.unbind(0), ess_all.unbind(0)
+        ancestor_rows = ancestors_all.unbind(0) if resampling else None
         systematic = self.relaxation is None and self.resample == "systematic" and resampling
         resampler = SystematicResampler(B, N, device, dtype) if systematic else None
         for t in range(num_steps):
@@ -237,11 +240,12 @@ class SMC:
             if joint.dtype != dtype:  # the increments promote the weights (float64 ones, float32 particles)
                 dtype = joint.dtype
                 row_maxima, ess_all = row_maxima.to(dtype), ess_all.to(dtype)
+                maxima_rows, ess_rows = row_maxima.unbind(0), ess_all.unbind(0)
                 lowest, flush, flushed = _limits(dtype)
                 weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
                 resampler = SystematicResampler(B, N, device, dtype) if systematic else None
-            top = torch.amax(joint.detach(), -1, out=row_maxima[t])
-            relative = joint.sub_(top[:, None]).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
+            top = torch.amax(joint.detach(), -1, out=maxima_rows[t])
+            relative = joint.sub_(top.unsqueeze(1)).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
             if in_place:
                 unnormalised = torch.clamp_min(relative, flush, out=weights_buffer).exp_()
@@ -253,7 +257,7 @@ class SMC:
             log_totals.append(log_total)
             log_norms.append(log_norm)
             norm = torch.linalg.vector_norm(unnormalised.detach(), dim=-1)
-            ess = torch.div(total.detach(), norm, out=ess_all[t]).square_()
+            ess = torch.div(total.detach(), norm, out=ess_rows[t]).square_()
             if not resampling:
                 log_weights, log_norm = relative, log_total
                 continue
@@ -261,12 +265,12 @@ class SMC:
             resampled_steps.append(resampled)
             weights = unnormalised.detach()
             if resampler is not None:
-                ancestors = resampler(weights, total.detach(), resampled, self.generator, out=ancestors_all[t])
+                ancestors = resampler(weights, total.detach(), resampled, self.generator, out=ancestor_rows[t])
                 particles = gather(particles, ancestors)  # the identity rows gather themselves
             else:
-                particles = self._resample(particles, relative, log_total, weights, total, resampled, ancestors_all[t])
+                particles = self._resample(particles, relative, log_total, weights, total, resampled, ancestor_rows[t])
             # all 0 where resampled (relative is finite), else relative
-            keep = resampled.logical_not().to(dtype)[:, None]
+            keep = resampled.logical_not().to(dtype).unsqueeze(1)
             log_weights = relative.mul_(keep) if in_place else relative * keep
             log_norm = torch.where(resampled, log_n, log_total)
         resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
