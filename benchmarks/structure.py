@@ -34,11 +34,9 @@ import torch
 
 OUT = Path("docs/benchmarks/structure.json")
 CONFIGS = Path("configs/structure")
-UAS_RUNS = [
-    f"{task}-{prior}"
-    for task in ("mlm", "pos")
-    for prior in ("full-root", "window1-root", "window2-root", "window3-root", "span-root")
-]
+PRIORS = ("full-root", "window1-root", "window2-root", "window3-root", "span-root")
+UAS_RUNS = [f"{task}-{prior}" for task in ("mlm", "pos") for prior in PRIORS]
+UAS_RUNS += ["mlm-full-root-seed1", "mlm-window1-root-seed1"]  # one seed's noise on both figures
 ACT_RUNS = ["act-tau-0", "act-tau-1e-3", "act-tau-1e-2", "act-tau-1e-1", "act-tau-3e-1"]
 FREQUENCY_BUCKETS = [(0, 0), (1, 9), (10, 99), (100, 999), (1000, 10**9)]  # training counts of the word
 
@@ -68,6 +66,34 @@ def gold_offsets(trees) -> dict:
 
 
 @torch.no_grad()
+def unigram_mlm(run: Path) -> dict:
+    """Masked perplexity of a context-free model on exactly the trainer's validation masks
+    (``evaluate_model``, fixed mask seed): every masked word predicted by its training
+    unigram frequency (add-one). What an MLM at this budget must beat to use context."""
+    from probformer.training import run_config
+    from probformer.training.corpus import prepare_corpus
+    from probformer.training.evaluate import load_any
+    from probformer.training.trainer import evaluate_model
+
+    _, vocabulary = load_any(run)
+    config = run_config.load(CONFIGS / "mlm-full-root.toml")
+    corpus = prepare_corpus(config.data, vocabulary)
+    counts = torch.ones(len(vocabulary))
+    for ids, _ in corpus.train:
+        counts += torch.bincount(torch.tensor(ids), minlength=len(vocabulary))
+
+    class Unigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.log_probabilities = torch.nn.Parameter((counts / counts.sum()).log())
+
+        def forward(self, tokens, mask):
+            return self.log_probabilities.expand(*tokens.shape, -1), None
+
+    return evaluate_model(Unigram(), corpus.valid, "mlm", len(vocabulary))
+
+
+@torch.no_grad()
 def head_destinations(model, vocabulary, trees, batch_size: int = 32) -> list[dict]:
     """Per channel, where the argmax head of each word goes: ROOT (or no head), the
     previous word, the next word, farther (shares of the words)."""
@@ -94,7 +120,7 @@ def depth_by_token(model, vocabulary, trees, train_counts: Counter, batch_size: 
     """ACT's per-token iterations N(t) on ``trees``: spread, and means by UPOS tag and by
     the word's training frequency."""
     model.eval()
-    updates, ponder, tags, frequencies = [], [], [], []
+    updates, ponder, first, tags, frequencies = [], [], [], [], []
     for start in range(0, len(trees), batch_size):
         chunk = trees[start : start + batch_size]
         n = max(len(t.words) for t in chunk)
@@ -108,7 +134,8 @@ def depth_by_token(model, vocabulary, trees, train_counts: Counter, batch_size: 
         halting = model(tokens, mask)[1].halting
         updates.append(halting["updates"][:, :n][mask])
         ponder.append(halting["ponder"][:, :n][mask])
-    steps, ponder = torch.cat(updates), torch.cat(ponder)
+        first.append(halting["weights"][0][:, :n][mask])  # w_1: p_1, or 1 where a token halts at once
+    steps, ponder, first = torch.cat(updates), torch.cat(ponder), torch.cat(first)
     mode = int(steps.mode().values)
     by_tag = {}
     for tag in sorted(set(tags)):
@@ -139,6 +166,10 @@ def depth_by_token(model, vocabulary, trees, train_counts: Counter, batch_size: 
         "share_not_at_mode": float((steps != mode).float().mean()),
         "ponder_mean": float(ponder.mean()),
         "ponder_sd": float(ponder.std()),
+        "first_weight_mean": float(first.mean()),
+        "first_weight_sd": float(first.std()),
+        "first_weight_min": float(first.min()),
+        "first_weight_max": float(first.max()),
         # the share of the variance of N(t) between UPOS tags (correlation ratio eta^2; 0 when N is constant)
         "eta_squared_upos": _between_share(steps, tags),
         "ponder_eta_squared_upos": _between_share(ponder, tags),
@@ -159,8 +190,7 @@ def _between_share(values: torch.Tensor, groups: list[str]) -> float:
 
 
 def run_one(name: str, steps: int = 0) -> dict:
-    from probformer.training import data, run_config
-    from probformer.training.evaluate import evaluate, load_any
+    from probformer.training import run_config
     from probformer.training.trainer import train
 
     config = run_config.load(CONFIGS / f"{name}.toml")
@@ -175,11 +205,19 @@ def run_one(name: str, steps: int = 0) -> dict:
         shutil.rmtree(run)
     started = time.time()
     summary = train(config, run, progress=False)
-    row = {
-        **summary,
-        "command": f"probformer train --config {CONFIGS}/{name}.toml",
-        "topology": config.model["topology"],
-    }
+    row = {**summary, "command": f"probformer train --config {CONFIGS}/{name}.toml"}
+    row.update(analyse(name, run))
+    row["wall_seconds"] = time.time() - started
+    return row
+
+
+def analyse(name: str, run: Path) -> dict:
+    """What a trained run's heads or halting did on EWT dev."""
+    from probformer.training import data, run_config
+    from probformer.training.evaluate import evaluate, load_any
+
+    config = run_config.load(CONFIGS / f"{name}.toml")
+    row = {"topology": config.model["topology"]}
     model, vocabulary = load_any(run)
     dev = data.read_conllu(data.ewt_path("dev"))
     if name.startswith("act-"):
@@ -191,7 +229,6 @@ def run_one(name: str, steps: int = 0) -> dict:
         row["head_destinations"] = head_destinations(model, vocabulary, dev)
         if model.mean_field.span is not None:
             row["learned_spans"] = model.mean_field.spans().tolist()
-    row["wall_seconds"] = time.time() - started
     return row
 
 
@@ -207,6 +244,13 @@ def report(results: dict) -> str:
             "",
         ]
     base = runs.get("mlm-full-root", {}).get("valid", {}).get("perplexity")
+    if "unigram_mlm" in results:
+        unigram = results["unigram_mlm"]
+        lines += [
+            f"Context-free reference: the training unigram (add-one) on the same {unigram['tokens']:,} masked "
+            f"words has masked perplexity {unigram['perplexity']:,.1f}.",
+            "",
+        ]
     lines += [
         "| run | topology / prior | task metric | vs mlm-full-root | UAS best channel | UAS mean | "
         "best channel's heads: ROOT / previous / next / farther | tokens/s |",
@@ -246,8 +290,8 @@ def report(results: dict) -> str:
         lines += [
             "",
             "| tau | UPOS accuracy | mean N | sd | min | max | share not at the mode | mean ponder N + R | "
-            "eta² of N by UPOS | tokens/s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "eta² of N by UPOS | sd of N + R | eta² of N + R by UPOS | first halting weight: mean, sd | tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in act:
             d = row["depth"]
@@ -255,18 +299,29 @@ def report(results: dict) -> str:
                 f"| {row['ponder_cost']:g} | {row['valid']['accuracy']:.3f} | {d['iterations_mean']:.3f} | "
                 f"{d['iterations_sd']:.3f} | {d['iterations_min']:.0f} | {d['iterations_max']:.0f} | "
                 f"{d['share_not_at_mode']:.4f} | {d['ponder_mean']:.3f} | {d['eta_squared_upos']:.3f} | "
-                f"{row['tokens_per_second']:,.0f} |"
+                f"{d['ponder_sd']:.3f} | {d['ponder_eta_squared_upos']:.3f} | "
+                + (
+                    f"{d['first_weight_mean']:.3f}, {d['first_weight_sd']:.3f} | "
+                    if "first_weight_mean" in d
+                    else "— | "
+                )
+                + f"{row['tokens_per_second']:,.0f} |"
             )
         for key, title in (("by_upos", "UPOS"), ("by_train_frequency", "training count of the word")):
             groups = list(act[0]["depth"][key])
             lines += [
                 "",
-                f"| mean N by {title} (words) | " + " | ".join(f"tau {row['ponder_cost']:g}" for row in act) + " |",
+                f"| mean N (mean N + R) by {title} (words) | "
+                + " | ".join(f"tau {row['ponder_cost']:g}" for row in act)
+                + " |",
                 "|---|" + "---|" * len(act),
             ]
             for group in groups:
                 words = act[0]["depth"][key][group]["words"]
-                cells = " | ".join(f"{row['depth'][key][group]['iterations']:.3f}" for row in act)
+                cells = " | ".join(
+                    f"{row['depth'][key][group]['iterations']:.2f} ({row['depth'][key][group]['ponder']:.3f})"
+                    for row in act
+                )
                 lines.append(f"| {group} ({words:,}) | {cells} |")
     return "\n".join(lines)
 
@@ -276,6 +331,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated config names (default: every run)")
     parser.add_argument("--rerun", action="store_true", help="redo runs already in the results")
     parser.add_argument("--report", action="store_true", help="print the markdown tables and exit")
+    parser.add_argument("--reanalyse", action="store_true", help="redo the analysis of finished runs, no training")
     parser.add_argument("--smoke", type=int, default=0, help="a check of the script: N steps, results to /tmp")
     args = parser.parse_args()
     out = Path("/tmp/structure-smoke.json") if args.smoke else OUT
@@ -289,6 +345,14 @@ def main() -> None:
     if "gold" not in results:
         results["gold"] = gold_offsets(data.read_conllu(data.ewt_path("dev")))
     names = args.only.split(",") if args.only else UAS_RUNS + ACT_RUNS
+    if args.reanalyse:
+        for name in names:
+            if name in results.get("runs", {}):
+                results["runs"][name].update(analyse(name, Path("runs/structure") / name))
+                out.write_text(json.dumps(results, indent=1))
+        return
+    if "unigram_mlm" not in results and (Path("runs/structure/mlm-full-root") / "model").is_dir():
+        results["unigram_mlm"] = unigram_mlm(Path("runs/structure/mlm-full-root"))
     for name in names:
         if name in results.get("runs", {}) and not args.rerun:
             continue
