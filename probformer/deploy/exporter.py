@@ -70,17 +70,6 @@ def _refuse_untraceable(kind: str, model: nn.Module, format: str) -> None:
         )
 
 
-def _undeclared_factors(kind: str, model: nn.Module) -> list[str]:
-    """A PT's extra factors that its config does not declare (``PTConfig(pairwise=...)``
-    declares one ``Pairwise``): user factors added to ``model.crf.factors``, as
-    "'name' (Class)". They are Python code, which no export stores or runs."""
-    if kind != "probabilistic_transformer":
-        return []
-    factors = list(getattr(model.crf, "factors", ()))
-    declared = 1 if model.config.pairwise else 0
-    return [f"{factor.name!r} ({type(factor).__name__})" for factor in factors[declared:]]
-
-
 def _refuse_undeclared_factors(undeclared: list[str], format: str) -> None:
     """The torch folder rebuilds the model from its config: a factor the config does not
     declare would be lost (and its weights refused on load), so it is refused by name."""
@@ -161,7 +150,7 @@ def export(
     pretrained.check_declared(model)
     if format != "torch":
         _refuse_untraceable(kind, model, format)
-    undeclared = _undeclared_factors(kind, model)
+    undeclared = pretrained.undeclared_factors(model)
     _refuse_undeclared_factors(undeclared, format)
     tokens, mask = _example(model, example)
     was_training = model.training

@@ -128,6 +128,9 @@ def roles(model) -> dict[str, str]:
         "mean_field.halting_unit.weight": "output",
         "mean_field.halting_unit.bias": "input",
         "mean_field.span": "input",
+        # the Pairwise label-label table of PTConfig(pairwise=...) [K, d, d]: its optimiser group
+        # only (μP itself refuses pairwise: its role is not derived)
+        "crf.factors.0.table": "hidden",
         "crf.memory_keys_first": "hidden",
         "crf.memory_keys_second": "hidden",
         "head.decoder.weight": "output",

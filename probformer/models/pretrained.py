@@ -139,6 +139,16 @@ def check_declared(model: nn.Module) -> None:
             )
 
 
+def undeclared_factors(model: nn.Module) -> list[str]:
+    """A PT's extra factors that its config does not declare (``PTConfig(pairwise=...)``
+    declares one ``Pairwise``), as "'name' (Class)": user factors added to
+    ``model.crf.factors`` are Python code, which a saved model never holds."""
+    if registry.kind_of(model) != "probabilistic_transformer":
+        return []
+    declared = 1 if model.config.pairwise else 0
+    return [f"{factor.name!r} ({type(factor).__name__})" for factor in list(model.crf.factors)[declared:]]
+
+
 def save_pretrained(model: nn.Module, save_directory) -> Path:
     """Write ``model`` (any kind; unwrapped from DDP or ``torch.compile``) into
     ``save_directory`` as ``config.json`` and ``model.safetensors`` (each shared tensor
@@ -148,6 +158,12 @@ def save_pretrained(model: nn.Module, save_directory) -> Path:
     kind = registry.kind_of(model)  # ValueError for a foreign module
     model = getattr(model, "module", getattr(model, "_orig_mod", model))
     check_declared(model)
+    if undeclared_factors(model):
+        raise ValueError(
+            f"cannot save the factor(s) {', '.join(undeclared_factors(model))}: they are not the config's "
+            f"(pairwise={model.config.pairwise!r}), and a saved model stores the config and weights, never code; "
+            "export it traced (probformer.deploy.export, format 'onnx' or 'exported')"
+        )
     weights = {name: t.detach().contiguous().cpu() for name, t in registry.unique_state(model).items()}
     check_finite(weights, f"cannot save the {kind}")
     folder = Path(save_directory)

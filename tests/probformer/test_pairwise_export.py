@@ -118,6 +118,13 @@ def test_the_torch_folder_refuses_a_user_factor_by_name(tmp_path):
     assert not (tmp_path / "tagger").exists()
 
 
+def test_save_pretrained_refuses_a_factor_the_config_does_not_declare(tmp_path):
+    with pytest.raises(ValueError, match=r"cannot save the factor\(s\) 'norepeat' \(NoRepeat\): they are not the config's"):
+        with_user_factor().save_pretrained(tmp_path / "tagger")
+    assert not (tmp_path / "tagger").exists()
+    chain_tagger().save_pretrained(tmp_path / "declared")  # the declared Pairwise is data: saved
+
+
 @pytest.mark.slow  # one ONNX trace (~25 s)
 def test_onnx_traces_a_user_factor_and_its_autograd_messages(tmp_path):
     model = with_user_factor()
