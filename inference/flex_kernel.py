@@ -20,9 +20,12 @@ Where it runs: on CUDA, the compiled flex_attention (Triton; ``BACKEND="TRITON"`
 backward differentiates through the lse; flex's FLASH backend does not). On the CPU,
 flex_attention's compiled kernel neither returns the lse nor has a backward, so the kernel
 runs flex_attention's eager reference (it materialises the scores, is differentiable, and
-reads the same block masks): correct, for tests, not memory-linear. Under TF32 matmuls
-(``torch.set_float32_matmul_precision("high")``) the Triton kernel rounds its dot products,
-the reverse's ``-lse`` column included, to TF32.
+reads the same block masks): correct, for tests, not memory-linear. The Triton kernel keeps
+its lse in float32 whatever the inputs' type, so ``compute_dtype=torch.float64`` (which
+``MeanField`` asks for past a score bound of 512) still merges float32 normalisers there:
+about |score| 2**-24 relative, as the fused kernel in float32 (float64 on CUDA is untested
+here). Under TF32 matmuls (``torch.set_float32_matmul_precision("high")``) the Triton
+kernel rounds its dot products, the reverse's ``-lse`` column included, to TF32.
 """
 
 from __future__ import annotations
