@@ -67,8 +67,8 @@ class SystematicResampler:
         first = self.first.copy_(steps.cumsum_(-1).clamp_(max=N))  # positive: truncation is the floor
         first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
         counts = self.counts.zero_().scatter_add_(1, first, self.ones)
-        # an int32 cumulative sum, then one widening copy: ~2x faster on CPUs than a
-        # cumulative sum that widens as it goes
+        # an int32 cumulative sum, then one widening copy (on a CPU, alone, ~2x faster than a
+        # cumulative sum that widens as it goes)
         ancestors = torch.cumsum(counts[:, :N], -1, out=self.ancestors)
         return out.copy_(ancestors) if out is not None else ancestors.long()
 
