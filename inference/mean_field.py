@@ -55,6 +55,12 @@ INITIAL_HEAD_LOGITS = ("none", "ones")
 KERNELS = ("auto", "naive", "fused")
 # perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
 _AUTO_FUSED_MIN_NODES = 129
+# The shared ternary form: one projection for every group makes the materialised kernel plain
+# GEMMs with no per-group masks; benchmarks/shared_form.py (2 threads, a loaded machine) measured
+# it 11x faster than the fused kernel at n = 128 and 3.8x at n = 512 (B = 8, d = 256, C = 8,
+# r = 64), with [B, C, n, n] marginals of 64 MiB at n = 512. Past 512 nodes: the memory-linear
+# fused kernel (not measured between 512 and 2048).
+_AUTO_FUSED_MIN_NODES_SHARED = 513
 # the fused kernel in float32 errs by about |score| 2**-23 relative (head_kernels.fused);
 # measured on random CRFs (benchmarks/reliability): <= 1e-4 after 3 iterations while the
 # score bound stays below 512, up to O(1) at 1e8. Past it the fused kernel computes in float64.
@@ -275,6 +281,8 @@ class MeanField(nn.Module):
                     "or dropout=0 (or eval mode)"
                 )
             return self.kernel
+        shared = getattr(self.crf, "ternary_form", None) == "shared"
+        fused_from = _AUTO_FUSED_MIN_NODES_SHARED if shared else _AUTO_FUSED_MIN_NODES
         needs_naive = (
             (self.dropout and self.training)
             or self.damping[1] > 0
@@ -282,7 +290,7 @@ class MeanField(nn.Module):
             or self.schedule == "sequential"
             or self.span is not None
             or not head_kernels.fused_available(device)
-            or num_nodes < _AUTO_FUSED_MIN_NODES
+            or num_nodes < fused_from
         )
         return "naive" if needs_naive else "fused"
 

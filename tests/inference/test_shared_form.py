@@ -187,3 +187,13 @@ def test_projections_are_shared_and_the_bound_counts_the_bias():
     with torch.no_grad():
         crf.shared_bias.fill_(1.0)
     assert engine.fused_compute_dtype(1.0) is None
+
+
+def test_auto_kernel_keeps_the_shared_form_materialised_up_to_512_nodes():
+    cpu = torch.device("cpu")
+    if not head_kernels.fused_available(cpu):
+        pytest.skip("no CPU flash kernel: auto is always naive here")
+    shared = inference.MeanField(shared_crf())
+    grouped = inference.MeanField(graphs.CRF(vocab_size=7, labels=3, channels=2, rank=2))
+    assert [shared.resolved_kernel(n, cpu) for n in (128, 512, 513)] == ["naive", "naive", "fused"]
+    assert [grouped.resolved_kernel(n, cpu) for n in (128, 129)] == ["naive", "fused"]
