@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import head_kernels
+from inference import flex_kernel, head_kernels
 from inference.factor_messages import FactorTerms
 from inference.halting import ACT, HALTING, HALTING_SOURCES, ConfidenceExit
 from inference.head_kernels import HeadStructure
@@ -52,7 +52,7 @@ __all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
 
 SCHEDULES = ("async", "parallel", "sequential", "macaron")
 INITIAL_HEAD_LOGITS = ("none", "ones")
-KERNELS = ("auto", "naive", "fused")
+KERNELS = ("auto", "naive", "fused", "flex")
 # perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
 _AUTO_FUSED_MIN_NODES = 129
 # The shared ternary form: one projection for every group makes the materialised kernel plain
@@ -154,7 +154,10 @@ class MeanField(nn.Module):
         schedule: "async" (reference order), "parallel" or "sequential".
         mup: multiply in ``mup_scales`` (default ``MupScales.reconstruction(crf)``).
         kernel: "naive" (materialised head marginals), "fused" (never materialised;
-            no damping, step size or dropout on heads), or "auto".
+            no damping, step size or dropout on heads), "flex" (the same through torch's
+            flex_attention: compiled and memory-linear on CUDA, eager elsewhere), or "auto"
+            ("flex" on CUDA, else "fused" on the CPU from a length that depends on the
+            ternary form, else "naive").
         dropout: dropout on head marginals and on label logits (reference placement).
         damping: beta in [0, 1): logits <- beta * previous + (1 - beta) * new; a float
             or a (labels, heads) pair.
@@ -249,9 +252,9 @@ class MeanField(nn.Module):
         self.span = nn.Parameter(torch.ones(crf.channels)) if span else None
         self.fused_compute_dtype(1.0)  # the score bound, read once now: a compiled graph uses it
         heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential" or span
-        if kernel == "fused" and heads_need_naive:
+        if kernel in ("fused", "flex") and heads_need_naive:
             raise ValueError(
-                "kernel='fused' supports no head damping/step size, no sequential schedule and no adaptive span; "
+                f"kernel={kernel!r} supports no head damping/step size, no sequential schedule and no adaptive span; "
                 "use kernel='naive'"
             )
 
@@ -275,9 +278,9 @@ class MeanField(nn.Module):
 
     def resolved_kernel(self, num_nodes: int, device: torch.device) -> str:
         if self.kernel != "auto":
-            if self.kernel == "fused" and self.dropout and self.training:
+            if self.kernel in ("fused", "flex") and self.dropout and self.training:
                 raise ValueError(
-                    "kernel='fused' cannot apply dropout to head marginals; use kernel='naive' "
+                    f"kernel={self.kernel!r} cannot apply dropout to head marginals; use kernel='naive' "
                     "or dropout=0 (or eval mode)"
                 )
             return self.kernel
@@ -289,10 +292,14 @@ class MeanField(nn.Module):
             or self.step_size[1] < 1
             or self.schedule == "sequential"
             or self.span is not None
-            or not head_kernels.fused_available(device)
-            or num_nodes < fused_from
         )
-        return "naive" if needs_naive else "fused"
+        if needs_naive:
+            return "naive"
+        if flex_kernel.flex_available(device):  # CUDA: the compiled flex_attention kernel
+            return "flex"
+        if not head_kernels.fused_available(device) or num_nodes < fused_from:
+            return "naive"
+        return "fused"
 
     # ---- building blocks -------------------------------------------------------------
 
@@ -381,10 +388,11 @@ class MeanField(nn.Module):
 
     def heads(self, query, key, value, value_rev, structure, kernel, previous=None):
         scale = self.scales()["attention"]
-        if kernel == "fused":
+        if kernel in ("fused", "flex"):
             wide = self.fused_compute_dtype(scale)
             options = dict(compute_dtype=wide, bias=self.head_bias())
-            return head_kernels.fused(query, key, value, value_rev, scale, structure, **options)
+            fast = head_kernels.fused if kernel == "fused" else flex_kernel.flex
+            return fast(query, key, value, value_rev, scale, structure, **options)
         return head_kernels.naive(
             query,
             key,
@@ -466,8 +474,12 @@ class MeanField(nn.Module):
         log_q = logits.log_softmax(-1)
         q_z = log_q.exp() * nodes
         query, key = self.project(q_z)
-        wide = self.fused_compute_dtype(1.0) if kernel == "fused" else None
-        lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide, self.head_bias())  # [B, C, N]
+        wide = self.fused_compute_dtype(1.0) if kernel in ("fused", "flex") else None
+        if kernel == "flex":
+            options = dict(messages=False, compute_dtype=wide, bias=self.head_bias())
+            lse = flex_kernel.flex(query, key, key, query, 1.0, structure, **options).lse  # [B, C, N]
+        else:
+            lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide, self.head_bias())  # [B, C, N]
         entropy = -(q_z * log_q).sum((1, 2))  # log_softmax keeps the gradient finite at q = 0
         value = (q_z * unary).sum((1, 2)) + entropy + lse.sum((1, 2))
         if self.crf.global_labels:
