@@ -57,7 +57,7 @@ KERNELS = ("auto", "naive", "fused", "flex")
 _AUTO_FUSED_MIN_NODES = 129
 # The shared ternary form: one projection for every group makes the materialised kernel plain
 # GEMMs with no per-group masks; benchmarks/shared_form.py (2 threads, a loaded machine) measured
-# it 11x faster than the fused kernel at n = 128 and 3.8x at n = 512 (B = 8, d = 256, C = 8,
+# it 6.3x faster than the fused kernel at n = 128 and 3.8x at n = 512 (B = 8, d = 256, C = 8,
 # r = 64), with [B, C, n, n] marginals of 64 MiB at n = 512. Past 512 nodes: the memory-linear
 # fused kernel (not measured between 512 and 2048).
 _AUTO_FUSED_MIN_NODES_SHARED = 513
