@@ -375,11 +375,11 @@ class MeanField(nn.Module):
             except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
                 state = None
             if state is None or cached is None or cached[0] != state:
-                with torch.no_grad():  # one host read for both: the scores' bound and the bias's
+                with torch.no_grad():  # host reads: the scores' bound and the bias's
                     u, v, bias = self.crf.projection_tables()
                     scores = head_kernels.score_bound(u, v)
                     largest_bias = scores.new_zeros(()) if bias is None else bias.abs().max()
-                    bound = tuple(torch.stack([scores, largest_bias]).tolist())
+                    bound = (float(scores), float(largest_bias))
                 self._score_bound_cache = (state, bound)
             else:
                 bound = cached[1]
