@@ -30,6 +30,7 @@ kernel rounds its dot products, the reverse's ``-lse`` column included, to TF32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,7 +47,13 @@ BLOCK = 128  # flex_attention's default sparse block size
 _MIN_HEAD_DIM = 16
 # the Triton backend: the FLASH backend's backward does not differentiate through the lse
 _KERNEL_OPTIONS = {"BACKEND": "TRITON"}
-_compiled_flex_attention = torch.compile(flex_attention)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """Compiled on first use, not at import: torch.compile pulls in sympy and networkx,
+    which an exported model's runtime must not need."""
+    return torch.compile(flex_attention)
 
 
 def flex_available(device: torch.device) -> bool:
@@ -139,7 +146,7 @@ def _attention(q, k, v, block_mask: BlockMask):
         out, lse_base2, _ = _flex_reference(q, k, v, _same_score, block_mask.as_tuple(), 1.0, options)  # GQA too
         lse = lse_base2 * math.log(2)  # the reference returns the kernels' base-2 lse
     else:
-        attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention
+        attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
         options = dict(scale=1.0, enable_gqa=k.shape[1] != q.shape[1], kernel_options=_KERNEL_OPTIONS)
         out, aux = attend(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True), **options)
         lse = aux.lse
