@@ -51,7 +51,7 @@ def activation_sizes(model, tokens, mask) -> dict[str, float]:
     before_last = history[-2] if len(history) > 1 else unary
     q_before = before_last.softmax(-1) * structure.nodes[..., None]
     query, key = engine.project(q_before)
-    head_logits = head_kernels.naive_logits(query, key, engine.scales()["attention"], structure)
+    head_logits = head_kernels.naive_logits(query, key, engine.scales()["attention"], structure, engine.head_bias())
     logits = posterior.logits
     tokens_only = mask[..., None]
     return {
