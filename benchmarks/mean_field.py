@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/mean_field.py [--quick] [--out docs/benchmarks/mean_field.json]
     .venv/bin/python benchmarks/mean_field.py --against REV [--rounds 6]
+    .venv/bin/python benchmarks/mean_field.py --causal [--rounds 6]
 
 Measures, on this machine, with torch.set_num_threads(2):
   1. fused vs naive head kernel: forward+backward of T = 4 iterations, time (interleaved in
@@ -36,12 +37,12 @@ import torch  # noqa: E402
 THREADS = 2
 
 
-def build(d, C, r, n, B, kernel, seed=0):
+def build(d, C, r, n, B, kernel, seed=0, topology="full"):
     import graphs
     import inference
 
     torch.manual_seed(seed)
-    crf = graphs.CRF(vocab_size=1000, labels=d, channels=C, rank=r, topology="full", gamma=3)
+    crf = graphs.CRF(vocab_size=1000, labels=d, channels=C, rank=r, topology=topology, gamma=3)
     engine = inference.MeanField(crf, iterations=4, kernel=kernel, weights="reference")
     tokens = torch.randint(0, 1000, (B, n))
     return engine, tokens
@@ -213,6 +214,24 @@ print(best)
 """
 
 
+def causal_vs_full(rounds: int, n: int = 2048, B: int = 1, d: int = 256, C: int = 8, r: int = 64) -> dict:
+    """Fused forward+backward (T = 4) on the causal topology against the full one, in this
+    process, interleaved, min over rounds (issue 19: causal <= 0.6x full at n = 2048)."""
+    models = {topology: build(d, C, r, n, B, "fused", topology=topology) for topology in ("full", "causal")}
+    best = {topology: math.inf for topology in models}
+    for topology, (engine, tokens) in models.items():  # warm-up
+        engine(tokens).logits.square().mean().backward()
+    for _ in range(rounds):
+        for topology, (engine, tokens) in models.items():
+            start = time.perf_counter()
+            engine(tokens).logits.square().mean().backward()
+            best[topology] = min(best[topology], time.perf_counter() - start)
+    result = {"n": n, "B": B, "d": d, "C": C, "r": r, **best, "ratio": best["causal"] / best["full"]}
+    print(f"fused, n = {n}, B = {B}: full {best['full']:.3f} s, causal {best['causal']:.3f} s, "
+          f"causal / full {result['ratio']:.3f}")
+    return result
+
+
 def _extract(revision: str, here: str, into: str) -> str:
     commit = subprocess.run(["git", "rev-parse", revision], cwd=here, capture_output=True, text=True, check=True)
     archive = subprocess.run(["git", "archive", commit.stdout.strip()], cwd=here, capture_output=True, check=True)
@@ -256,9 +275,16 @@ def main():
     parser.add_argument("--out", default="docs/benchmarks/mean_field.json")
     parser.add_argument("--against", metavar="REV", help="only: the fused iteration vs git revision REV's")
     parser.add_argument("--rounds", type=int, default=6, help="alternations for --against")
+    parser.add_argument("--causal", action="store_true", help="only: causal vs full topology, n = 2048")
     parser.add_argument("--current", metavar="REV", help="with --against: time git REV instead of this checkout")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
+    if args.causal:
+        results = causal_vs_full(args.rounds)
+        out = "docs/benchmarks/mean_field_causal.json" if args.out == parser.get_default("out") else args.out
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+        return
     if args.against:
         results = against(args.against, args.rounds, current=args.current)
         out = "docs/benchmarks/mean_field_against.json" if args.out == parser.get_default("out") else args.out
