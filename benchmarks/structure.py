@@ -36,7 +36,8 @@ OUT = Path("docs/benchmarks/structure.json")
 CONFIGS = Path("configs/structure")
 PRIORS = ("full-root", "window1-root", "window2-root", "window3-root", "span-root")
 UAS_RUNS = [f"{task}-{prior}" for task in ("mlm", "pos") for prior in PRIORS]
-UAS_RUNS += ["mlm-star-root", "mlm-full-root-seed1", "mlm-window1-root-seed1", "mlm-star-root-seed1"]  # one seed's noise on both figures
+UAS_RUNS += ["mlm-star-root"]  # a ring of neighbours and a relay node that carries context
+UAS_RUNS += ["mlm-full-root-seed1", "mlm-window1-root-seed1", "mlm-star-root-seed1"]  # one seed's noise
 ACT_RUNS = ["act-tau-0", "act-tau-1e-3", "act-tau-1e-2", "act-tau-1e-1", "act-tau-3e-1"]
 FREQUENCY_BUCKETS = [(0, 0), (1, 9), (10, 99), (100, 999), (1000, 10**9)]  # training counts of the word
 
