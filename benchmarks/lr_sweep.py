@@ -7,9 +7,10 @@ model on a log grid (seed 0), then more seeds at each model's best learning rate
 Runs one after another on one thread, each into runs/lr_sweep/<config>-lr<lr>-s<seed>.
 Each finished run is appended to docs/benchmarks/ptb_lr_sweep.json at once (a kill loses
 at most the run in progress) and runs already there are skipped (resumable). Order: every
-model at its grid's centre first, then outward one grid step at a time, so a partial
-sweep is still a sweep; a best lr on the grid's edge gets one more point beyond it (at
-most --max-extend times); then seeds 1, 2, ... at each model's best lr.
+model at its grid's centre first, then outward one grid step at a time (the side of the
+best lr so far first), so a partial sweep is still a sweep; a best lr on the grid's edge
+gets one more point beyond it (at most --max-extend times); then seeds 1, 2, ... at each
+model's best lr.
 `--dry-run STEPS` trains STEPS steps per run into runs/lr_sweep_dry/ and never touches
 the results file.
 """
@@ -83,10 +84,13 @@ def grid_step(lr: float, direction: int) -> float:
     return float(f"{10**exponent:.1g}")
 
 
-def grid_order(lrs: list[float]) -> list[float]:
-    """Centre first, then one step outward at a time (lower side before higher)."""
+def ring(lrs: list[float], distance: int, best: float | None) -> list[float]:
+    """The grid points ``distance`` steps from the grid's centre, the one on the side of
+    the best lr so far first (lower first when the best is the centre or unknown)."""
     centre = len(lrs) // 2
-    return sorted(lrs, key=lambda lr: (abs(lrs.index(lr) - centre), lrs.index(lr)))
+    points = [lr for lr in lrs if abs(lrs.index(lr) - centre) == distance]
+    toward_higher = best is not None and best > lrs[centre]
+    return sorted(points, reverse=toward_higher)
 
 
 def train_one(config_name: str, lr: float, seed: int, steps: int, root: Path, code: str) -> dict:
@@ -137,11 +141,13 @@ def sweep(configs: list[str], grids: dict[str, list[float]], seeds: int, max_ext
         append_result(results, row)
         print(json.dumps(row), flush=True)
 
-    orders = {c: grid_order(grids[c]) for c in configs}
-    for ring in range(max(len(o) for o in orders.values())):
-        for config in configs:
-            if ring < len(orders[config]):
-                ensure(config, orders[config][ring], 0)
+    # ring by ring, one point per model per pass, so every model advances at the same pace
+    for distance in range(max(len(grid) for grid in grids.values()) // 2 + 1):
+        for side in (0, 1):
+            for config in configs:
+                points = ring(grids[config], distance, best_lr(load_results(results), config))
+                if side < len(points):
+                    ensure(config, points[side], 0)
     for config in configs:  # a best lr on the edge: one more grid step beyond it
         for _ in range(max_extend):
             tried = sorted(ppl_by_lr(load_results(results), config))
