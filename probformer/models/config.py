@@ -45,6 +45,7 @@ LIMITS: dict[str, int] = {
     "mup_base_width": 2**16,
     "ffn_width": 2**18,
     "memory_topk": 2**16,
+    "pairwise_gamma": 2**12,  # graphs.factors.Pairwise's own limit
     # heads, channels, depth
     "heads": 2**10,
     "layers": 2**10,
