@@ -99,7 +99,10 @@ def attachment_scores(model, vocabulary, sentences: list[data.TreebankSentence],
     if isinstance(vocabulary, data.SubwordVocabulary):
         raise ValueError("--task uas needs a word-level vocabulary: subword tokens do not align with UD words")
     model.eval()
-    root_node = "root()" in model.crf.topology.name
+    virtual = model.crf.topology.virtual
+    root_node = "root" in virtual
+    # the ROOT node's offset among the virtual nodes (a Star relay may come first)
+    root_offset = virtual.index("root") if root_node else -1
     correct = torch.zeros(model.crf.channels)
     left = right = total = 0
     for start in range(0, len(sentences), batch_size):
@@ -113,8 +116,9 @@ def attachment_scores(model, vocabulary, sentences: list[data.TreebankSentence],
         mask = gold >= 0
         heads = model(tokens, mask)[1].h  # [B, C, N, N]
         choice = heads[:, :, :n, :].argmax(-1)  # [B, C, n], node index
-        # node j < n is word j + 1; the first virtual node is ROOT when the topology has one
-        predicted = torch.where(choice < n, choice + 1, 0 if root_node else -2)
+        # node j < n is word j + 1; node n + root_offset is ROOT; any other virtual node (a relay,
+        # a cluster) is no word of the tree, so it never counts as a hit (-2)
+        predicted = torch.where(choice < n, choice + 1, torch.where(choice == n + root_offset, 0, -2))
         hits = (predicted == gold[:, None]) & mask[:, None]
         correct += hits.sum((0, 2)).float()
         position = torch.arange(1, n + 1)

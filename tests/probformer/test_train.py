@@ -274,7 +274,7 @@ def test_attachment_scores_of_a_known_posterior(tiny_ewt):
         def __init__(self):
             super().__init__()
             self.mean_field = True
-            self.crf = type("C", (), {"channels": 1, "topology": type("T", (), {"name": "full()"})()})()
+            self.crf = type("C", (), {"channels": 1, "topology": type("T", (), {"virtual": ()})()})()
 
         def forward(self, tokens, mask):
             n = tokens.shape[1]
@@ -286,6 +286,33 @@ def test_attachment_scores_of_a_known_posterior(tiny_ewt):
     trees = data.read_conllu(tiny_ewt / "en_ewt-ud-dev.conllu")
     scores = attachment_scores(NextWord(), vocabulary, trees)
     assert scores["best_channel"] == pytest.approx(scores["right_neighbour_baseline"])
+
+
+def test_attachment_scores_count_only_the_root_node_as_root(tiny_ewt):
+    """star() | root(): virtual node n is the relay, n + 1 ROOT. A channel that always picks
+    the relay scores 0 (it used to be credited with every gold root); one that always picks
+    ROOT scores the share of words whose gold head is 0."""
+    from probformer.training import data
+
+    class VirtualHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mean_field = True
+            self.crf = type("C", (), {"channels": 2, "topology": type("T", (), {"virtual": ("relay", "root")})()})()
+
+        def forward(self, tokens, mask):
+            B, n = tokens.shape
+            heads = torch.zeros(B, 2, n + 2, n + 2)
+            heads[:, 0, :, n] = 1  # the relay
+            heads[:, 1, :, n + 1] = 1  # ROOT
+            return None, type("P", (), {"h": heads})()
+
+    vocabulary = data.Vocabulary.build([["dogs", "bark"]])
+    trees = data.read_conllu(tiny_ewt / "en_ewt-ud-dev.conllu")
+    roots = sum(head == 0 for tree in trees for head in tree.heads)
+    words = sum(len(tree.heads) for tree in trees)
+    scores = attachment_scores(VirtualHeads(), vocabulary, trees)
+    assert roots > 0 and scores["per_channel"] == pytest.approx([0.0, roots / words])
 
 
 def test_bf16_autocast_trains(tmp_path):
