@@ -4,13 +4,9 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
-from scipy import stats
 
 from inference import SMC
-from inference.resamplers import systematic_ancestors
-from inference.smc import RESAMPLERS, resample_indices
+from inference.smc import RESAMPLERS
 
 # ---- an exact oracle: the Kalman filter -----------------------------------------------
 
@@ -152,40 +148,7 @@ def test_a_single_pyro_filter_with_unbatched_data():
     assert result.log_evidence.shape == (1,) and result.particles["x"].shape == (1, 50)
 
 
-# ---- resamplers ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("method", RESAMPLERS)
-def test_offspring_counts_have_expectation_n_w(method):
-    N, draws = 10, 4000
-    g = torch.Generator().manual_seed(0)
-    w = torch.rand(N, generator=g, dtype=torch.float64) ** 2
-    w = w / w.sum()
-    ancestors = resample_indices(w.expand(draws, N).contiguous(), method, g)
-    counts = torch.nn.functional.one_hot(ancestors, N).sum(1).double()  # [draws, N]
-    observed, expected = counts.sum(0), draws * N * w
-    chi2 = ((observed - expected) ** 2 / expected).sum().item()
-    assert chi2 < stats.chi2.ppf(0.999, N - 1), chi2
-
-
-def test_stratified_and_systematic_have_lower_count_variance_than_multinomial():
-    N, draws = 20, 3000
-    g = torch.Generator().manual_seed(1)
-    w = torch.rand(N, generator=g, dtype=torch.float64)
-    w = (w / w.sum()).expand(draws, N).contiguous()
-    variance = {}
-    for method in RESAMPLERS:
-        counts = torch.nn.functional.one_hot(resample_indices(w, method, g), N).sum(1).double()
-        variance[method] = counts.var(0).sum().item()
-    assert variance["stratified"] < variance["multinomial"]
-    assert variance["systematic"] < variance["multinomial"]
-    assert variance["residual"] < variance["multinomial"]
-
-
-def test_residual_is_exact_on_integer_n_w():
-    w = torch.tensor([[0.5, 0.25, 0.25, 0.0]], dtype=torch.float64).expand(50, 4).contiguous()
-    counts = torch.nn.functional.one_hot(resample_indices(w, "residual"), 4).sum(1)
-    assert (counts == torch.tensor([2, 1, 1, 0])).all()
+# ---- resampling inside the filter --------------------------------------------------
 
 
 def test_resampling_triggers_exactly_below_the_threshold():
@@ -323,19 +286,6 @@ def test_degenerate_weights_raise(increment, match):
         SMC(4).filter(lambda B: torch.zeros(B, 4), lambda t, x: (x, increment), num_steps=1)
 
 
-@given(n=st.integers(1, 60), seed=st.integers(0, 100_000), power=st.sampled_from([1, 4, 12]))
-def test_systematic_fast_path_equals_a_binary_search(n, seed, power):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.rand(3, n, generator=g, dtype=torch.float64) ** power
-    w = w / w.sum(-1, keepdim=True)
-    fast = resample_indices(w, "systematic", torch.Generator().manual_seed(seed))
-    u = torch.rand(3, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    cumulative = w.cumsum(-1)
-    cumulative[:, -1] = 1.0
-    expected = torch.searchsorted(cumulative, ((torch.arange(n) + u) / n).contiguous()).clamp(max=n - 1)
-    assert torch.equal(fast, expected)
-
-
 def test_compiled_filter_equals_eager_under_a_fixed_generator():
     ys, A, Q, H, R, m0, P0 = lgssm(1, seed=5, steps=6)
 
@@ -417,46 +367,6 @@ def test_unvalidated_bad_filter_reports_nan_evidence_and_the_others_are_untouche
 
     with pytest.raises(ValueError, match=r"NaN .*: first at step 2, in filters \[1\]"):
         SMC(8).filter(lambda B: torch.zeros(B, 8), poisoned_step, 4, 3)
-
-
-# ---- the in-filter systematic resampler (unnormalised weights, per-filter decision) ----
-
-
-@given(n=st.integers(1, 80), seed=st.integers(0, 100_000), power=st.sampled_from([1, 4, 12]))
-def test_systematic_gives_floor_or_ceil_of_n_w_copies_and_sorted_ancestors(n, seed, power):
-    """Systematic resampling's defining property: particle j gets floor(N w_j) or
-    ceil(N w_j) copies, and the ancestors are sorted. Unnormalised weights (any row
-    total); filters that do not resample get the identity exactly."""
-    g = torch.Generator().manual_seed(seed)
-    scales = 10.0 ** torch.randint(-3, 4, (4, 1), generator=g, dtype=torch.float64)
-    weights = torch.rand(4, n, generator=g, dtype=torch.float64) ** power * scales
-    total = weights.sum(-1)
-    resampled = torch.tensor([True, False, True, False])
-    ancestors = systematic_ancestors(weights, total, resampled, g)
-    assert ancestors.dtype == torch.long and ancestors.shape == (4, n)
-    assert torch.equal(ancestors[~resampled], torch.arange(n).expand(2, n))
-    drawn = ancestors[resampled]
-    assert (drawn >= 0).all() and (drawn < n).all() and (drawn.diff(dim=-1) >= 0).all()
-    copies = torch.nn.functional.one_hot(drawn, n).sum(1).double()
-    expected = n * weights[resampled] / total[resampled, None]
-    assert ((copies >= torch.floor(expected - 1e-9)) & (copies <= torch.ceil(expected + 1e-9))).all()
-
-
-def test_systematic_offspring_counts_of_unnormalised_weights_have_expectation_n_w():
-    """Unbiasedness of the form the filter calls (unnormalised weights, a per-filter
-    decision): over 4,000 draws the mean number of copies of particle j is N w_j within
-    4 standard errors (the SE estimated from the draws)."""
-    N, draws = 12, 4000
-    g = torch.Generator().manual_seed(0)
-    w = torch.rand(N, generator=g, dtype=torch.float64) ** 3 * 7.0  # total ~ 1.75, not 1
-    weights = w.expand(2 * draws, N).contiguous()
-    resampled = torch.arange(2 * draws) % 2 == 0  # every other filter resamples
-    ancestors = systematic_ancestors(weights, weights.sum(-1), resampled, g)
-    copies = torch.nn.functional.one_hot(ancestors[resampled], N).sum(1).double()  # [draws, N]
-    expected = N * w / w.sum()
-    se = copies.std(0) / math.sqrt(draws) + 1e-12  # 0 where N w_j is an integer (exact copies)
-    assert ((copies.mean(0) - expected).abs() <= 4 * se + 1e-9).all(), (copies.mean(0), expected)
-    assert torch.equal(ancestors[~resampled], torch.arange(N).expand(draws, N))
 
 
 # ---- zero weight -----------------------------------------------------------------------
