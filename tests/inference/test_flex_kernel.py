@@ -222,9 +222,6 @@ def test_flex_traces_into_one_graph_and_equals_eager():
     assert_all_close(ours[3:], eager[3:], atol=1e-5 * scale, rtol=1e-5)
 
 
-@pytest.mark.skipif(
-    "flex" not in mean_field.KERNELS, reason="MeanField has no kernel='flex' yet (inference/mean_field.py)"
-)
 @pytest.mark.parametrize("form", ["low_rank", "shared"])
 @pytest.mark.parametrize("topology", ["causal", "full | root()"])
 def test_mean_field_with_flex_equals_naive(topology, form):
@@ -246,9 +243,6 @@ def test_mean_field_with_flex_equals_naive(topology, form):
     assert_all_close(results["flex"], results["naive"], atol=1e-9, rtol=1e-9)
 
 
-@pytest.mark.skipif(
-    "flex" not in mean_field.KERNELS, reason="MeanField has no kernel='flex' yet (inference/mean_field.py)"
-)
 def test_auto_picks_flex_on_cuda_and_flex_refuses_what_it_cannot_do():
     crf = graphs.CRF(vocab_size=9, labels=4, channels=2, rank=3)
     auto = mean_field.MeanField(crf)

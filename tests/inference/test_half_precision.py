@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import graphs
-from inference import head_kernels, mean_field
+from inference import head_kernels
 from inference.flex_kernel import flex
 from inference.head_kernels import HeadStructure
 from inference.mean_field import MeanField
@@ -26,9 +26,6 @@ LOGITS_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 6e-2}
 ELBO_TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 GRADIENT_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 5e-2}  # measured: 1.1e-3, 1.4e-2
 KERNELS = {"naive": head_kernels.naive, "fused": head_kernels.fused, "flex": flex}
-needs_flex_in_mean_field = pytest.mark.skipif(
-    "flex" not in mean_field.KERNELS, reason="MeanField has no kernel='flex' yet (inference/mean_field.py)"
-)
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +47,7 @@ def padded_batch(vocab, n):
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("topology", ["causal", "full | root()"])
-@pytest.mark.parametrize("kernel", ["naive", "fused", pytest.param("flex", marks=needs_flex_in_mean_field)])
+@pytest.mark.parametrize("kernel", ["naive", "fused", "flex"])
 def test_mean_field_in_half_precision_is_finite_and_close_to_float32(kernel, topology, dtype):
     torch.manual_seed(0)
     crf = graphs.CRF(vocab_size=20, labels=8, channels=2, rank=4, topology=topology, gamma=2, global_labels=3)
