@@ -127,7 +127,11 @@ def pareto_k(log_weights, relative_efficiency: float = 1.0) -> ParetoK:
         smoothed = lw - np.logaddexp.reduce(lw, axis=-1, keepdims=True)
     else:
         finite = np.where(np.isneginf(lw), np.finfo(float).min, lw)
-        smoothed, k = arviz_interop.psislw(finite, relative_efficiency)
+        # a degenerate tail (equal or nearly equal weights) makes ArviZ's Pareto fit divide
+        # 0 by 0: numpy's RuntimeWarnings leaked into training logs; the non-finite k it gives
+        # is mapped just below (-inf for constant weights, else nan: "unreliable")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            smoothed, k = arviz_interop.psislw(finite, relative_efficiency)
         constant = np.ptp(lw, axis=-1) == 0  # equal weights: no tail at all
         k = np.where(constant, -np.inf, np.where(np.isfinite(k), k, np.nan))
     verdict = np.where(
