@@ -29,10 +29,14 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch  # noqa: E402
+
+sys.path.insert(0, os.getcwd())  # the tree it is run in, as benchmarks/fused_step.py
+from benchmarks.mean_field import matmul_throughput as matmul_peak  # noqa: E402
 
 THREADS = 2
 D, C, R, B, ITERATIONS, GAMMA = 256, 8, 64, 8, 4, 3
@@ -74,18 +78,6 @@ def forward_flops(kind: str, n: int) -> float:
         return ITERATIONS * (24 * B * n * D * D + 4 * B * n * n * D)
     groups = 1 if kind.startswith("shared") else 2 * (GAMMA + 1)
     return ITERATIONS * (8 * B * n * D * groups * C * R + 6 * B * C * n * n * R)
-
-
-def matmul_peak() -> float:
-    """GFLOP/s of a 2048^3 fp32 matmul, best of 5."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
-    best = math.inf
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 / best / 1e9
 
 
 def time_interleaved(n: int, rounds: int, kinds) -> dict[str, float]:
