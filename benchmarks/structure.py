@@ -38,6 +38,11 @@ PRIORS = ("full-root", "window1-root", "window2-root", "window3-root", "span-roo
 UAS_RUNS = [f"{task}-{prior}" for task in ("mlm", "pos") for prior in PRIORS]
 UAS_RUNS += ["mlm-star-root"]  # a ring of neighbours and a relay node that carries context
 UAS_RUNS += ["mlm-full-root-seed1", "mlm-window1-root-seed1", "mlm-star-root-seed1"]  # one seed's noise
+# the shared ternary form's learned distance prior (a bias per distance group and channel)
+UAS_RUNS += ["mlm-shared-root", "mlm-shared-root-seed1", "mlm-shared16-root"]
+# the tuned series: μP and the PTB sweep's best PT lr (3e-2), against its own full-root baseline
+TUNED = ("full-root", "full-root-seed1", "window1-root", "window1-root-seed1", "star-root", "shared-root")
+UAS_RUNS += [f"mlm-tuned-{prior}" for prior in TUNED]
 ACT_RUNS = ["act-tau-0", "act-tau-1e-3", "act-tau-1e-2", "act-tau-1e-1", "act-tau-3e-1"]
 FREQUENCY_BUCKETS = [(0, 0), (1, 9), (10, 99), (100, 999), (1000, 10**9)]  # training counts of the word
 
@@ -254,7 +259,10 @@ def report(results: dict) -> str:
             + ", ".join(f"{name} {value:.3f}" for name, value in gold["ceiling"].items()),
             "",
         ]
-    base = runs.get("mlm-full-root", {}).get("valid", {}).get("perplexity")
+    def base_of(name: str) -> float | None:  # each series against its own full-root seed-0 run
+        base = "mlm-tuned-full-root" if name.startswith("mlm-tuned-") else "mlm-full-root"
+        return runs.get(base, {}).get("valid", {}).get("perplexity")
+
     if "unigram_mlm" in results:
         unigram = results["unigram_mlm"]
         lines += [
@@ -263,7 +271,7 @@ def report(results: dict) -> str:
             "",
         ]
     lines += [
-        "| run | topology / prior | task metric | vs mlm-full-root | UAS best channel | UAS mean | "
+        "| run | topology / prior | task metric | vs its series' full-root | UAS best channel | UAS mean | "
         "best channel's heads: ROOT / relay / previous / next / farther | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -279,6 +287,7 @@ def report(results: dict) -> str:
         )
         if "perplexity" in valid:
             metric = f"perplexity {valid['perplexity']:,.1f}"
+            base = base_of(name)
             versus = f"{100 * (valid['perplexity'] / base - 1):+.1f}%" if base else "—"
         else:
             metric, versus = f"UPOS {valid['accuracy']:.3f}", "—"
