@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphs
+from tests.builders import shared_crf
 
 torch.set_num_threads(1)
 
@@ -21,18 +22,7 @@ torch.set_num_threads(1)
     st.integers(0, 2**16),
 )
 def test_tensor_and_factors_are_u_v_plus_the_group_bias(channels, labels, rank, gamma, topology, seed):
-    torch.manual_seed(seed)
-    crf = graphs.CRF(
-        vocab_size=3,
-        labels=labels,
-        channels=channels,
-        rank=rank,
-        gamma=gamma,
-        topology=topology,
-        ternary_form="shared",
-    ).double()
-    with torch.no_grad():
-        crf.shared_bias.normal_()
+    crf = shared_crf(labels, channels, rank, gamma, topology, seed=seed)
     K = 2 * (gamma + 1) + (1 if "root" in topology else 0)
     U, V, bias = crf.shared_u, crf.shared_v, crf.shared_bias
     assert U.shape == V.shape == (channels, labels, rank) and bias.shape == (K, channels)

@@ -25,13 +25,7 @@ TOPOLOGIES = ["full", "causal", "window(2)", "chain()", "full | root()"]
 BUCKETS = [0, 1, 3, [2, 4], [3], []]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.random.fork_rng():
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/inference/conftest.py
 
 
 def structure_of(crf, mask):

@@ -28,13 +28,7 @@ GRADIENT_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 5e-2}  # measured: 1.
 KERNELS = {"naive": head_kernels.naive, "fused": head_kernels.fused, "flex": flex}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.random.fork_rng():
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/inference/conftest.py
 
 
 def padded_batch(vocab, n):

@@ -16,33 +16,10 @@ from hypothesis import strategies as st
 import graphs
 import inference
 from inference import head_kernels
+from tests.builders import shared_crf
+from tests.oracles import group_of
 
 torch.set_num_threads(1)
-
-
-def shared_crf(labels=3, channels=2, rank=2, gamma=1, topology="full", global_labels=0, seed=0, bias_std=1.0):
-    torch.manual_seed(seed)
-    crf = graphs.CRF(
-        vocab_size=7,
-        labels=labels,
-        channels=channels,
-        rank=rank,
-        gamma=gamma,
-        topology=topology,
-        global_labels=global_labels,
-        ternary_form="shared",
-    ).double()
-    with torch.no_grad():
-        crf.shared_bias.normal_(0.0, bias_std)
-    return crf
-
-
-def group_of(i: int, j: int, n: int, gamma: int) -> int:
-    """The distance group of arc i -> j, written from the definition (graphs/crf.py)."""
-    if i >= n or j >= n:
-        return 2 * (gamma + 1)
-    delta = j - i
-    return min(delta, gamma + 1) - 1 if delta > 0 else gamma + min(-delta, gamma + 1)
 
 
 def brute_force_log_z(crf, tokens: list[int], gamma: int) -> float:

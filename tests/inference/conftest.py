@@ -1,0 +1,13 @@
+import pytest
+import torch
+
+
+@pytest.fixture
+def one_thread():
+    """One thread and a forked RNG for the test (``pytestmark = pytest.mark.usefixtures
+    ("one_thread")``): its draws leave the global generator as they found it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.random.fork_rng():
+        yield
+    torch.set_num_threads(threads)
