@@ -25,13 +25,14 @@ Transformer baselines) and both tasks (MLM, UPOS tagging):
   the same global batch and masks, keeps its rows, and the loss is normalised by the
   global count of predicted tokens, so the loss curve equals one process's.
 
-Every input is validated (config, data files, lengths, vocabulary) before the
-output folder is created or a step is taken.
+Every input is validated (config, data files, lengths, vocabulary; for ``--resume``
+the run folder, the saved config and the data's encoding, in ``resume``) before the
+output folder is created or a step is taken. The validation metrics are
+``validation.evaluate_model``'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -47,56 +48,18 @@ from probformer.models.mup import param_groups
 from probformer.training import checkpoint, checkpointing, crash_points, run_config
 from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
-from probformer.training.data import SubwordVocabulary, text_lines
+from probformer.training.data import SubwordVocabulary
+from probformer.training.resume import check_same_encoding, resume_source, saved_fingerprint, text_fingerprint
 from probformer.training.run_config import RunConfig
 from probformer.training.run_log import Progress, RunLog
+from probformer.training.validation import describe, evaluate_model
 
 __all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
 
-_RESUMABLE_CHANGES = {"steps", "epochs", "threads", "log_every", "eval_every", "checkpoint_every", "diagnostics_every"}
-_RESUMABLE_CHANGES |= {"device"}  # checkpoints are device-independent
 # the kinds whose per-layer ESS and diversity the metrics carry, and the probe batch's size
 DIAGNOSED_KINDS = ("probabilistic_transformer", "particle_transformer")
 PROBE_SENTENCES = 8
 PROGRESS_EVERY = 10  # logged training lines between plain progress lines (no terminal)
-
-
-# ---- evaluation ---------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate_model(model, examples, task: str, vocab_size: int, mask_rate: float = 0.15, batch_size: int = 64) -> dict:
-    """Validation loss and perplexity (mlm, masked tokens, fixed masks) or accuracy (pos),
-    on the model's device; the sums stay there until one read at the end (float64, as the
-    Python floats they replace)."""
-    was_training = model.training
-    model.eval()
-    device = _model_device(model)
-    generator = torch.Generator().manual_seed(313)  # masks drawn on the CPU: the same on every device
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.long, device=device)
-    count = 0
-    for start in range(0, len(order), batch_size):
-        tokens, mask, labels = collate([examples[i] for i in order[start : start + batch_size]])
-        inputs, targets = inputs_and_targets(task, tokens, mask, labels, vocab_size, mask_rate, generator)
-        count += int((targets != IGNORE).sum())  # CPU tensors: no device read
-        inputs, mask, targets = (t.to(device, non_blocking=True) for t in (inputs, mask, targets))
-        logits, _ = model(inputs, mask)
-        total += F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="sum").double()
-        correct += ((logits.argmax(-1) == targets) & (targets != IGNORE)).sum()
-    model.train(was_training)
-    total, correct = total.item(), int(correct.item())
-    loss = total / max(count, 1)
-    result = {"loss": loss, "tokens": count}
-    if task == "pos":
-        result["accuracy"] = correct / max(count, 1)
-    else:
-        result["perplexity"] = math.exp(min(loss, 700.0))
-    return result
-
-
-# ---- the trainer -------------------------------------------------------------------------
 
 
 class Trainer:
@@ -109,24 +72,18 @@ class Trainer:
         torch.set_num_threads(config.train.threads or _default_threads(self.world))
 
         # everything that can be wrong is checked before the output folder exists
-        self.resume_from = self._resume_source() if resume else None
+        self.resume_from = resume_source(self.out, config) if resume else None
         saved_vocabulary = checkpoint.load(self.resume_from)[1] if self.resume_from else None
-        self.data_sha256 = _text_fingerprint(config.data.source)
-        same_text = self.resume_from and self.data_sha256 == _saved_fingerprint(self.out)
+        self.data_sha256 = text_fingerprint(config.data.source)
+        same_text = self.resume_from and self.data_sha256 == saved_fingerprint(self.out)
         if isinstance(saved_vocabulary, SubwordVocabulary) and same_text:
             # relearning a subword vocabulary from the same text need not give the same
             # pieces: a resumed run on unchanged text encodes with the one it saved
             self.corpus = prepare_corpus(config.data, vocabulary=saved_vocabulary)
         else:
             self.corpus = prepare_corpus(config.data)
-        if self.resume_from:  # the data must encode exactly as it did for the checkpoint
-            saved_tags = json.loads((self.resume_from / "training.json").read_text()).get("tags")
-            if list(self.corpus.vocabulary.words) != list(saved_vocabulary.words) or self.corpus.tags != saved_tags:
-                raise ValueError(
-                    f"vocabulary mismatch between checkpoint {self.resume_from} ({len(saved_vocabulary)} words, "
-                    f"tags {saved_tags}) and data.source {config.data.source!r} ({len(self.corpus.vocabulary)} "
-                    f"words, tags {self.corpus.tags})"
-                )
+        if self.resume_from:
+            check_same_encoding(self.resume_from, self.corpus, saved_vocabulary, config.data.source)
         torch.manual_seed(config.train.seed)
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
         _, model_cls = registry.classes(config.kind)
@@ -224,41 +181,6 @@ class Trainer:
         record = {**self.config.to_dict(), "data_sha256": self.data_sha256}
         checkpointing.write_text_atomic(self.out / "run.json", json.dumps(record, indent=1))
         self.log.create()
-
-    def _resume_source(self) -> Path | None:
-        """The checkpoint to resume from, after checking the run folder and its config;
-        ``None`` for a run killed before its first checkpoint (it starts again)."""
-        if not self.out.is_dir():
-            raise FileNotFoundError(f"--resume: {self.out} does not exist (nothing to resume)")
-        saved = self.out / "run.json"
-        if saved.is_file():
-            self._check_resumable(json.loads(saved.read_text()))
-        elif any(not entry.name.startswith(".") for entry in self.out.iterdir()):
-            raise FileNotFoundError(f"--resume: {self.out} is not a run folder ({saved} is missing)")
-        if not (self.out / "checkpoints" / "latest").is_file():
-            return None
-        return latest_checkpoint(self.out)
-
-    def _check_resumable(self, saved: dict) -> None:
-        now = self.config.to_dict()
-        try:  # a run.json from before a key existed: the key's default is what that run used
-            tables = {table: saved[table] for table in ("model", "data", "train") if table in saved}
-            if isinstance(tables.get("train"), dict):  # a CUDA run resumed where there is none
-                tables["train"] = {k: v for k, v in tables["train"].items() if k != "device"}
-            saved = run_config.RunConfig.from_dict(tables).to_dict()
-        except ValueError:
-            pass  # a key since removed or renamed: compared as written (and so reported as changed)
-        changed = [
-            f"{table}.{key}"
-            for table in ("model", "data", "train")
-            for key in set(saved.get(table, {})) | set(now[table])
-            if saved.get(table, {}).get(key) != now[table].get(key)
-            and not (table == "train" and key in _RESUMABLE_CHANGES)
-        ]
-        if changed:
-            raise ValueError(
-                f"--resume with a different config: {sorted(changed)} changed since {self.out / 'run.json'}"
-            )
 
     # -- state --
 
@@ -419,7 +341,7 @@ class Trainer:
             ):
                 metrics = self.evaluate(train.eval_sentences)
                 self.log.write({"step": self.step, "split": "valid", **metrics})
-                progress.message(f"step {self.step}: validation {_describe(metrics)}")
+                progress.message(f"step {self.step}: validation {describe(metrics)}")
                 self.plot()
             if self.rank == 0 and (
                 (train.checkpoint_every and self.step % train.checkpoint_every == 0) or self.step == self.total_steps
@@ -449,7 +371,7 @@ class Trainer:
         }
         checkpointing.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
         if self.progress:
-            print(f"validation {_describe(final)}; model in {self.out / 'model'}", flush=True)
+            print(f"validation {describe(final)}; model in {self.out / 'model'}", flush=True)
         return summary
 
     def plot(self) -> Path:
@@ -470,38 +392,12 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _model_device(model) -> torch.device:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
-
-
 def _default_threads(world: int) -> int:
     """OMP_NUM_THREADS when set (benchmarks run jobs side by side), else the cores split
     between processes, at most 2: oversubscribed threads have made runs 50x slower."""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, min(2, os.cpu_count() or 1) // world)
-
-
-def _describe(metrics: dict) -> str:
-    if "accuracy" in metrics:
-        return f"loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.4f}"
-    return f"loss {metrics['loss']:.4f}, perplexity {metrics['perplexity']:.2f}"
-
-
-def _text_fingerprint(source: str) -> str | None:
-    """SHA-256 of a text source's lines (``None`` for the built-in corpora): a resumed run
-    reuses its saved subword vocabulary only on the same text."""
-    if source in ("ptb", "ewt"):
-        return None
-    return hashlib.sha256("\n".join(text_lines(source)).encode("utf-8")).hexdigest()
-
-
-def _saved_fingerprint(out: Path) -> str | None:
-    try:
-        return json.loads((out / "run.json").read_text()).get("data_sha256")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def train(config: RunConfig | str | Path, out, resume: bool = False, progress: bool = True) -> dict:
