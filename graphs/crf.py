@@ -50,28 +50,17 @@ from torch import nn
 from graphs import ternary
 from graphs import topology as topologies
 from graphs.device_checks import refuse_unless
+from graphs.distances import distance_cuts, distance_groups
 from graphs.factors import BUILT_IN, Factor, Global, Ternary, Unary
+from graphs.inputs import check_assignment, check_embeddings, check_tokens
+from graphs.limits import LIMITS, MAX_EMBEDDING_SIZE, MAX_PARAMETERS, check_parameter_count, check_size
 from graphs.ternary import TERNARY_FORMS
-from graphs.topology import distance_groups
 
-__all__ = ["CRF", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES", "LIMITS", "MAX_PARAMETERS"]
+# distance_cuts, distance_groups (graphs.distances) and LIMITS, MAX_PARAMETERS (graphs.limits)
+# are named here too: callers read them as graphs.crf.*
+__all__ = ["CRF", "distance_cuts", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES", "LIMITS", "MAX_PARAMETERS"]
 
 GLOBAL_MEMORIES = ("dense", "product_key")
-
-# The most each size may be (issue 17: absurd sizes are refused before anything is
-# allocated). The one table for these keys: probformer.models.config.LIMITS reads it
-# (graphs cannot import probformer; probformer imports graphs).
-LIMITS: dict[str, int] = {
-    "vocab_size": 2**24,
-    "labels": 2**16,
-    "channels": 2**10,
-    "rank": 2**14,
-    "global_labels": 2**20,
-    "gamma": 2**12,
-    "ternary_blocks": 2**10,
-}
-MAX_PARAMETERS = 2**31  # all the CRF's parameters together: 8 GiB of float32
-MAX_EMBEDDING_SIZE = 2**24  # D of CRF(embedding_size=D): rows of the unary table, as vocab_size
 
 
 class CRF(nn.Module):
@@ -121,19 +110,19 @@ class CRF(nn.Module):
                 f"got vocab_size={vocab_size!r}, embedding_size={embedding_size!r}"
             )
         if embedding_size is not None:
-            _check_int("embedding_size", embedding_size, minimum=1, maximum=MAX_EMBEDDING_SIZE)
+            check_size("embedding_size", embedding_size, minimum=1, maximum=MAX_EMBEDDING_SIZE)
         else:
-            _check_int("vocab_size", vocab_size, minimum=1)
-        _check_int("labels", labels, minimum=1)
-        _check_int("channels", channels, minimum=1)
+            check_size("vocab_size", vocab_size, minimum=1)
+        check_size("labels", labels, minimum=1)
+        check_size("channels", channels, minimum=1)
         rank = labels if rank is None else rank
-        _check_int("rank", rank, minimum=1)
-        _check_int("global_labels", global_labels, minimum=0)
+        check_size("rank", rank, minimum=1)
+        check_size("global_labels", global_labels, minimum=0)
         self.distance_cuts = distance_cuts(gamma)
         gamma = len(self.distance_cuts)  # buckets per direction, minus one
-        _check_int("ternary_blocks", ternary_blocks, minimum=1)
+        check_size("ternary_blocks", ternary_blocks, minimum=1)
         rows = vocab_size if embedding_size is None else embedding_size
-        _check_parameter_count(rows, labels, channels, rank, global_labels, gamma, ternary_blocks)
+        check_parameter_count(rows, labels, channels, rank, global_labels, gamma, ternary_blocks)
         ternary.check_form(ternary_form)
         self.ternary_form, self.ternary_blocks = ternary_form, ternary_blocks
         if global_memory not in GLOBAL_MEMORIES:
@@ -268,59 +257,16 @@ class CRF(nn.Module):
         return self.unary_table(inputs, mask) if self.embedding_size is None else self.embedding_table(inputs, mask)
 
     def check_embeddings(self, embeddings, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate embeddings ``[B, n, D]`` (floating) and their mask; returns ``(x, mask)``."""
+        """Validate embeddings ``[B, n, D]`` (floating) and their mask; returns ``(x, mask)``
+        (``graphs.inputs.check_embeddings``)."""
         self._check_reads("embeddings")
-        if not isinstance(embeddings, torch.Tensor) or not embeddings.dtype.is_floating_point:
-            found = getattr(embeddings, "dtype", type(embeddings).__name__)
-            raise TypeError(f"embeddings must be a floating torch.Tensor [B, n, D], got {found}")
-        if embeddings.dim() != 3 or embeddings.shape[-1] != self.embedding_size or 0 in embeddings.shape[:2]:
-            raise ValueError(
-                f"embeddings must have shape [batch, length, {self.embedding_size}] (embedding_size), non-empty, "
-                f"got {tuple(embeddings.shape)}"
-            )
-        lengths_only = torch.zeros(embeddings.shape[:2], dtype=torch.long, device=embeddings.device)
-        if mask is None:
-            mask = torch.ones_like(lengths_only, dtype=torch.bool)
-        else:
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-                raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask))}")
-            if mask.shape != lengths_only.shape:
-                raise ValueError(
-                    f"mask shape {tuple(mask.shape)} must equal embeddings' [B, n] {tuple(lengths_only.shape)}"
-                )
-        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
-            _refuse_empty_rows(mask)
-        return embeddings.masked_fill(~mask[..., None], 0.0), mask
+        return check_embeddings(embeddings, mask, self.embedding_size)
 
     def check_inputs(self, tokens, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate a batch; returns ``(tokens [B, n] long, mask [B, n] bool)``."""
+        """Validate a batch; returns ``(tokens [B, n] long, mask [B, n] bool)``
+        (``graphs.inputs.check_tokens``)."""
         self._check_reads("token ids")
-        if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"tokens must be a torch.Tensor of integer ids, got {type(tokens).__name__}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must have shape [batch, length], got {tuple(tokens.shape)}")
-        if tokens.shape[0] == 0 or tokens.shape[1] == 0:
-            raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
-        if mask is None:
-            mask = torch.ones_like(tokens, dtype=torch.bool)
-        else:
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-                raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask))}")
-            if mask.shape != tokens.shape:
-                raise ValueError(f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}")
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # value checks: eager only
-            return tokens.long().masked_fill(~mask, 0), mask
-        _refuse_empty_rows(mask)
-        legal = ((tokens >= 0) & (tokens < self.vocab_size)) | ~mask
-        refuse_unless(
-            legal.all(),
-            f"token ids must lie in [0, {self.vocab_size}) (vocab_size)",
-            lambda: f"token ids must lie in [0, {self.vocab_size}) (vocab_size); found {tokens[~legal][0].item()}",
-        )
-        # Padded positions may hold any id (e.g. -100); index them safely.
-        return tokens.long().masked_fill(~mask, 0), mask
+        return check_tokens(tokens, mask, self.vocab_size)
 
     def _check_factor_graph(self) -> None:
         if self.global_memory != "dense":
@@ -359,8 +305,8 @@ class CRF(nn.Module):
         B, n = tokens.shape
         N = self.topology.num_nodes(n)
         z, h = (
-            _check_assignment("z", z, (B, N), self.labels),
-            _check_assignment("h", h, (B, self.channels, N), N),
+            check_assignment("z", z, (B, N), self.labels),
+            check_assignment("h", h, (B, self.channels, N), N),
         )
         arcs = self.arc_mask(mask)
         score = self.unary_table(tokens, mask).gather(-1, z[..., None]).squeeze(-1).sum(-1)
@@ -381,7 +327,7 @@ class CRF(nn.Module):
         if self.global_labels:
             if g is None:
                 raise ValueError("g is required: this CRF has global_labels > 0")
-            g = _check_assignment("g", g, (B, n), self.global_labels)
+            g = check_assignment("g", g, (B, n), self.global_labels)
             pair = self.binary[g, z[:, :n]]
             score = score + (pair * mask).sum(-1)
         elif g is not None:
@@ -464,65 +410,3 @@ def _check_factors(crf, extra) -> list:
             )
         names.add(factor.name)
     return list(extra)
-
-
-def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
-    maximum = LIMITS[name] if maximum is None else maximum
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
-
-
-def _check_parameter_count(vocab_size, labels, channels, rank, global_labels, gamma, ternary_blocks) -> None:
-    """Each size within its limit can still multiply to an absurd total: refuse it before
-    allocating. An upper bound over the forms (the largest ternary form, +1 group for a
-    virtual-node topology, product keys at most 2 labels per sub-key)."""
-    groups = 2 * (gamma + 1) + 1
-    ternary = (
-        groups * ternary_blocks * (2 * labels * rank + channels * rank * rank) + 2 * groups * channels * labels * rank
-    )
-    total = vocab_size * labels + ternary + global_labels * labels + 2 * math.isqrt(global_labels) * labels
-    if total > MAX_PARAMETERS:
-        raise ValueError(
-            f"CRF(vocab_size={vocab_size}, labels={labels}, channels={channels}, rank={rank}, "
-            f"global_labels={global_labels}, gamma={gamma}, ternary_blocks={ternary_blocks}) would have about "
-            f"{total:,} parameters, more than the limit {MAX_PARAMETERS:,} (2**31): reduce its sizes"
-        )
-
-
-def _check_assignment(name: str, value, shape: tuple[int, ...], size: int) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor of shape {shape}")
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
-    if value.numel() and (value.min() < 0 or value.max() >= size):
-        raise ValueError(f"{name} values must lie in [0, {size})")
-    return value.long()
-
-
-def _refuse_empty_rows(mask: torch.Tensor) -> None:
-    """Every row needs a real token (no host read unless one has none)."""
-    refuse_unless(
-        mask.any(dim=1).all(),
-        "mask leaves a row with no tokens; every row needs >= 1 token",
-        lambda: (
-            f"mask leaves rows {(~mask.any(dim=1)).nonzero().flatten().tolist()} with no tokens; "
-            "every row needs >= 1 token"
-        ),
-    )
-
-
-def distance_cuts(gamma) -> tuple[int, ...]:
-    """The distance buckets' cut points: ``gamma`` an integer (each distance 1..gamma its own
-    bucket, then one for the rest: cuts 2..gamma + 1) or the cut points themselves, e.g.
-    ``[2, 4]`` for {1}, {2, 3}, [4, inf) (the PT reference's ``dists = "2, 4"``)."""
-    if isinstance(gamma, list | tuple):
-        cuts = tuple(gamma)
-        if any(isinstance(c, bool) or not isinstance(c, int) for c in cuts) or any(c < 2 for c in cuts):
-            raise ValueError(f"gamma as distance buckets must be integers >= 2 (cut points), got {list(gamma)!r}")
-        if any(b <= a for a, b in zip(cuts, cuts[1:])):
-            raise ValueError(f"gamma as distance buckets must be strictly increasing, got {list(gamma)!r}")
-        if len(cuts) > LIMITS["gamma"] or (cuts and cuts[-1] > 2**20):
-            raise ValueError(f"gamma as distance buckets: at most {LIMITS['gamma']} cuts, each <= 2**20 (the limits)")
-        return cuts
-    _check_int("gamma", gamma, minimum=0)
-    return tuple(range(2, gamma + 2))

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from graphs.distances import distance_groups  # named here too: callers read graphs.topology.*
+
 __all__ = [
     "Topology",
     "full",
@@ -239,28 +241,6 @@ def _offsets(n: int) -> torch.Tensor:
     """``offsets[i, j] = j - i``: head position relative to the dependent."""
     pos = torch.arange(n)
     return pos[None, :] - pos[:, None]
-
-
-def distance_groups(n: int, gamma: int, extra_nodes: int = 0, device=None, cuts=None) -> torch.Tensor:
-    """``[n + m, n + m]`` long tensor of distance groups (see ``graphs.crf``'s docstring),
-    built on ``device`` (no copy from the CPU in a forward).
-
-    ``cuts`` (distance buckets, the PT reference's ``dists``): the distances where a new
-    bucket starts, increasing, each >= 2; distance |j - i| falls in bucket b = #{cuts <= it}
-    of ``len(cuts) + 1 = gamma + 1`` per direction. None: ``2, 3, .., gamma + 1`` (each
-    distance up to gamma its own bucket). Arcs touching one of the ``m`` virtual nodes get
-    group ``2 * (gamma + 1)``; the diagonal (never an arc) gets group 0.
-    """
-    pos = torch.arange(n, device=device)
-    offset = pos[None, :] - pos[:, None]
-    if cuts is None or tuple(cuts) == tuple(range(2, gamma + 2)):  # the clip: one clamp for any gamma
-        clipped = offset.abs().clamp(max=gamma + 1)
-    else:  # one comparison per cut, no constant tensor (an exported program keeps none)
-        distance = offset.abs()
-        clipped = sum((distance >= cut).long() for cut in cuts) + 1 if cuts else torch.ones_like(offset)
-    token_groups = torch.where(offset > 0, clipped - 1, gamma + clipped).masked_fill(offset == 0, 0)
-    # out-of-place ops only: a traced (exported) length stays symbolic
-    return torch.nn.functional.pad(token_groups, (0, extra_nodes, 0, extra_nodes), value=2 * (gamma + 1))
 
 
 def full() -> Topology:

@@ -1,0 +1,55 @@
+"""The most each size of a factor graph may be (issue 17): absurd sizes are refused with
+an error naming the size and its limit before anything is allocated.
+
+``LIMITS`` is the one table for the CRF's sizes: ``graphs.CRF`` enforces it and
+``probformer.models.config.LIMITS`` reads it (graphs cannot import probformer;
+probformer imports graphs).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = [
+    "LIMITS",
+    "MAX_PARAMETERS",
+    "MAX_EMBEDDING_SIZE",
+    "check_size",
+    "check_parameter_count",
+]
+
+LIMITS: dict[str, int] = {
+    "vocab_size": 2**24,
+    "labels": 2**16,
+    "channels": 2**10,
+    "rank": 2**14,
+    "global_labels": 2**20,
+    "gamma": 2**12,
+    "ternary_blocks": 2**10,
+}
+MAX_PARAMETERS = 2**31  # all the CRF's parameters together: 8 GiB of float32
+MAX_EMBEDDING_SIZE = 2**24  # D of CRF(embedding_size=D): rows of the unary table, as vocab_size
+
+
+def check_size(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    """A CRF size: an integer from ``minimum`` to ``maximum`` (default: its ``LIMITS`` entry)."""
+    maximum = LIMITS[name] if maximum is None else maximum
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
+
+
+def check_parameter_count(vocab_size, labels, channels, rank, global_labels, gamma, ternary_blocks) -> None:
+    """Each size within its limit can still multiply to an absurd total: refuse it before
+    allocating. An upper bound over the forms (the largest ternary form, +1 group for a
+    virtual-node topology, product keys at most 2 labels per sub-key)."""
+    groups = 2 * (gamma + 1) + 1
+    ternary = (
+        groups * ternary_blocks * (2 * labels * rank + channels * rank * rank) + 2 * groups * channels * labels * rank
+    )
+    total = vocab_size * labels + ternary + global_labels * labels + 2 * math.isqrt(global_labels) * labels
+    if total > MAX_PARAMETERS:
+        raise ValueError(
+            f"CRF(vocab_size={vocab_size}, labels={labels}, channels={channels}, rank={rank}, "
+            f"global_labels={global_labels}, gamma={gamma}, ternary_blocks={ternary_blocks}) would have about "
+            f"{total:,} parameters, more than the limit {MAX_PARAMETERS:,} (2**31): reduce its sizes"
+        )
