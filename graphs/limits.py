@@ -3,19 +3,27 @@ an error naming the size and its limit before anything is allocated.
 
 ``LIMITS`` is the one table for the CRF's sizes: ``graphs.CRF`` enforces it and
 ``probformer.models.config.LIMITS`` reads it (graphs cannot import probformer;
-probformer imports graphs).
+probformer imports graphs). A topology's mask is a dense ``[N, N]`` bool: ``2**16``
+nodes are already 4 GiB.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 __all__ = [
     "LIMITS",
     "MAX_PARAMETERS",
     "MAX_EMBEDDING_SIZE",
+    "MAX_NODES",
+    "MAX_CLUSTERS",
+    "MAX_REACH",
     "check_size",
     "check_parameter_count",
+    "check_length",
+    "check_positive",
 ]
 
 LIMITS: dict[str, int] = {
@@ -29,6 +37,10 @@ LIMITS: dict[str, int] = {
 }
 MAX_PARAMETERS = 2**31  # all the CRF's parameters together: 8 GiB of float32
 MAX_EMBEDDING_SIZE = 2**24  # D of CRF(embedding_size=D): rows of the unary table, as vocab_size
+
+MAX_NODES = 2**16  # sentence length plus virtual nodes, of one mask
+MAX_CLUSTERS = 2**14  # clusters(k): k cluster nodes, k**2 arcs among them
+MAX_REACH = 2**20  # window(w), segments(l): an offset, no memory of its own
 
 
 def check_size(name: str, value, minimum: int, maximum: int | None = None) -> None:
@@ -53,3 +65,24 @@ def check_parameter_count(vocab_size, labels, channels, rank, global_labels, gam
             f"global_labels={global_labels}, gamma={gamma}, ternary_blocks={ternary_blocks}) would have about "
             f"{total:,} parameters, more than the limit {MAX_PARAMETERS:,} (2**31): reduce its sizes"
         )
+
+
+def check_length(n, extra_nodes: int = 0) -> int:
+    """A sentence length ``n`` >= 1 whose mask, with ``extra_nodes`` virtual nodes, stays
+    within ``MAX_NODES``."""
+    if isinstance(n, torch.SymInt):  # a symbolic length while tracing for export: checked at run time
+        return n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"sentence length n must be an integer >= 1, got {n!r}")
+    if n + extra_nodes > MAX_NODES:
+        raise ValueError(
+            f"sentence length n = {n} plus {extra_nodes} virtual nodes exceeds the limit of {MAX_NODES} nodes "
+            f"(a dense [N, N] mask)"
+        )
+    return n
+
+
+def check_positive(name: str, value, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        raise ValueError(f"{name} must be an integer >= 1 and <= {maximum} (the limit), got {value!r}")
+    return value

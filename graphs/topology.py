@@ -12,18 +12,24 @@ operand's virtual nodes are kept, laid out one operand after the other.
 
 Arcs are laid over the positions ``0..n-1`` of a (possibly padded) batch; a
 padded position simply loses its node (see ``graphs.CRF``).
+
+Topologies given as data (a mask, a networkx graph, a function of n, the stored dict,
+the text of the built-ins) are checked and read in ``graphs.topology_data``; the
+``from_*`` constructors and ``parse`` here make the ``Topology``.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from graphs.distances import distance_groups  # named here too: callers read graphs.topology.*
+# distance_groups and the limits are named here too: callers read graphs.topology.*
+from graphs.distances import distance_groups
+from graphs.limits import MAX_CLUSTERS, MAX_NODES, MAX_REACH, check_length, check_positive
+from graphs.topology_data import arc_table, arcs_of_callable, arcs_of_graph, arcs_of_mask, read_data, read_term
 
 __all__ = [
     "Topology",
@@ -42,6 +48,9 @@ __all__ = [
     "from_data",
     "NAMES",
     "distance_groups",
+    "MAX_NODES",
+    "MAX_CLUSTERS",
+    "MAX_REACH",
 ]
 
 
@@ -96,7 +105,7 @@ class Topology:
                 while len(_MASKS) > _MASKS_KEPT:  # the oldest first
                     _MASKS.pop(next(iter(_MASKS)))
             return cached[1]
-        n = _check_length(n, self.extra_nodes)
+        n = check_length(n, self.extra_nodes)
         arcs = self.build(n)
         if device is not None:
             arcs = arcs.to(device)
@@ -113,7 +122,7 @@ class Topology:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
             raise ValueError(f"mask must be a bool tensor [batch, n], got {getattr(mask, 'shape', mask)!r}")
         batch, n = mask.shape
-        _check_length(n, self.extra_nodes)
+        check_length(n, self.extra_nodes)
         rows = self._rows(mask)
         nodes = torch.cat([mask, mask.new_ones(batch, self.extra_nodes)], 1)
         index = torch.arange(n + self.extra_nodes, device=mask.device)
@@ -199,32 +208,6 @@ class Topology:
         return from_data(data)
 
 
-# Limits (issue 17): sizes whose memory or time would be absurd are refused before any
-# mask is built. A mask is a dense [N, N] bool: 2**16 nodes are already 4 GiB.
-MAX_NODES = 2**16  # sentence length plus virtual nodes, of one mask
-MAX_CLUSTERS = 2**14  # clusters(k): k cluster nodes, k**2 arcs among them
-MAX_REACH = 2**20  # window(w), segments(l): an offset, no memory of its own
-
-
-def _check_length(n, extra_nodes: int = 0) -> int:
-    if isinstance(n, torch.SymInt):  # a symbolic length while tracing for export: checked at run time
-        return n
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"sentence length n must be an integer >= 1, got {n!r}")
-    if n + extra_nodes > MAX_NODES:
-        raise ValueError(
-            f"sentence length n = {n} plus {extra_nodes} virtual nodes exceeds the limit of {MAX_NODES} nodes "
-            f"(a dense [N, N] mask)"
-        )
-    return n
-
-
-def _check_positive(name: str, value, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-        raise ValueError(f"{name} must be an integer >= 1 and <= {maximum} (the limit), got {value!r}")
-    return value
-
-
 def _check_flag(name: str, value) -> None:
     # a string such as 'yes' or 'False' is truthy: refused, not read as True
     if not isinstance(value, bool):
@@ -261,7 +244,7 @@ def chain() -> Topology:
 
 def window(w: int) -> Topology:
     """Token i may choose tokens j with 0 < |i - j| <= w (local attention, no wrap-around)."""
-    w = _check_positive("window width w", w, MAX_REACH)
+    w = check_positive("window width w", w, MAX_REACH)
     return _as_text(Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w, (w, w)))
 
 
@@ -308,7 +291,7 @@ def clusters(k: int, dynamic: bool = False) -> Topology:
     Clusters may always choose each other. Tokens do not see each other: compose with
     ``window`` for local token-token arcs.
     """
-    k = _check_positive("number of clusters k", k, MAX_CLUSTERS)
+    k = check_positive("number of clusters k", k, MAX_CLUSTERS)
     _check_flag("clusters(dynamic=...)", dynamic)
 
     def build_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -341,7 +324,7 @@ def segments(length: int, causal: bool = False) -> Topology:
     segment s - 1's final posteriors as fixed messages (assumed-density filtering), in
     memory bounded by ``length``. ``segment_length`` on the topology records ``length``.
     """
-    length = _check_positive("segment length l", length, MAX_REACH)
+    length = check_positive("segment length l", length, MAX_REACH)
     _check_flag("segments(causal=...)", causal)
 
     def build(n: int) -> torch.Tensor:
@@ -359,93 +342,43 @@ def _as_text(topology: Topology) -> Topology:
     return replace(topology, data={"text": topology.name})
 
 
-# ---- topologies from data: networkx graphs, masks, callables ------------------------------
+# ---- topologies from data: networkx graphs, masks, callables (read in graphs.topology_data) ----
 
 
 def from_mask(mask) -> Topology:
     """Arcs from a boolean ``[n_max, n_max]`` mask over positions (``mask[i, j]``: i may
     choose j as head; the diagonal must be False). A sentence of length n <= n_max uses
     ``mask[:n, :n]``; a longer one is refused."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
-        raise ValueError(f"a topology mask must be a bool tensor [n_max, n_max], got {getattr(mask, 'shape', mask)!r}")
-    if mask.shape[0] != mask.shape[1] or mask.shape[0] < 1:
-        raise ValueError(f"a topology mask must be square [n_max, n_max] with n_max >= 1, got {tuple(mask.shape)}")
-    arcs = mask.detach().cpu().nonzero().tolist()
-    return _from_arcs(arcs, mask.shape[0])
+    return _from_arcs(*arcs_of_mask(mask))
 
 
 def from_graph(graph) -> Topology:
     """Arcs from a ``networkx.DiGraph`` on the positions ``0..n_max-1`` (an edge i -> j:
     i may choose j as head). A sentence of length n uses the subgraph on ``0..n-1``."""
-    if not (hasattr(graph, "nodes") and hasattr(graph, "edges") and getattr(graph, "is_directed", lambda: False)()):
-        raise ValueError(f"a topology graph must be a networkx.DiGraph, got {type(graph).__name__}")
-    nodes = list(graph.nodes)
-    if not nodes or sorted(nodes, key=repr) != sorted(range(len(nodes)), key=repr):
-        shown = sorted(nodes, key=repr)[:8]
-        raise ValueError(f"a topology graph's nodes must be the positions 0..n_max-1 (integers), got {shown}")
-    return _from_arcs([list(edge) for edge in graph.edges], len(nodes))
+    return _from_arcs(*arcs_of_graph(graph))
 
 
 def from_callable(build: Callable) -> Topology:
     """Arcs from a function of the sentence length n returning a ``networkx.DiGraph`` on
     ``0..n-1`` or a bool ``[n, n]`` mask. It has no stored form: ``to_data`` refuses it,
     so a model on it cannot be checkpointed or exported (store a graph or mask instead)."""
-    if not callable(build):
-        raise ValueError(f"from_callable needs a function n -> graph or mask, got {build!r}")
-
-    def arcs(n: int) -> torch.Tensor:
-        made = build(n)
-        topology = from_mask(made) if isinstance(made, torch.Tensor) else from_graph(made)
-        if topology.n_max != n:
-            raise ValueError(f"the topology function returned {topology.n_max} positions for a sentence of length {n}")
-        return topology.build(n)
-
-    name = f"from_callable({getattr(build, '__name__', type(build).__name__)})"
+    name, arcs = arcs_of_callable(build)
     return Topology(name, (), arcs)
 
 
 def _from_arcs(arcs: list, n_max: int) -> Topology:
-    if n_max > MAX_NODES:
-        raise ValueError(f"a topology over {n_max} positions exceeds the limit of {MAX_NODES} nodes")
-    arcs = sorted({(int(i), int(j)) for i, j in arcs})
-    for i, j in arcs:
-        if not (0 <= i < n_max and 0 <= j < n_max):
-            raise ValueError(f"arc ({i}, {j}) lies outside the positions 0..{n_max - 1}")
-        if i == j:
-            raise ValueError(f"arc ({i}, {i}) is a self-arc: a node never chooses itself as head")
-    # one spare row and column (never an arc): a slice [:n, :n] with n <= n_max never takes the
-    # whole table, so torch.export keeps the length dynamic over 1..n_max (no guard n != n_max)
-    table = torch.zeros(n_max + 1, n_max + 1, dtype=torch.bool)
-    if arcs:
-        table[torch.tensor(arcs).T.unbind()] = True
-
-    def build(n: int) -> torch.Tensor:
-        if not isinstance(n, torch.SymInt) and n > n_max:
-            raise ValueError(f"this topology covers {n_max} positions (n_max); got a sentence of length {n}")
-        return table[:n, :n]
-
-    data = {"arcs": [list(a) for a in arcs], "n_max": n_max}
-    digest = sum((i * n_max + j + 1) * 2654435761 for i, j in arcs) % 16**6  # tells two arc sets apart in a name
-    return Topology(f"arcs(n_max={n_max}, {len(arcs)} arcs, #{digest:06x})", (), build, data=data)
+    name, build, data = arc_table(arcs, n_max)
+    return Topology(name, (), build, data=data)
 
 
 def from_data(data) -> Topology:
     """The topology of ``Topology.to_data()``'s description."""
-    if not isinstance(data, dict) or len(data) == 0:
-        raise ValueError(f"topology data must be a dict with 'text', 'arcs' or 'union', got {data!r}")
-    if set(data) == {"text"}:
-        return parse(data["text"])
-    if set(data) == {"arcs", "n_max"}:
-        n_max = data["n_max"]
-        if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
-            raise ValueError(f"topology data 'n_max' must be an integer >= 1, got {n_max!r}")
-        pairs = data["arcs"]
-        if not isinstance(pairs, list) or any(not isinstance(a, list | tuple) or len(a) != 2 for a in pairs):
-            raise ValueError("topology data 'arcs' must be a list of [i, j] pairs")
-        return _from_arcs(data["arcs"], n_max)
-    if set(data) == {"union"} and isinstance(data["union"], list) and len(data["union"]) == 2:
-        return from_data(data["union"][0]) | from_data(data["union"][1])
-    raise ValueError(f"topology data must have the keys 'text', 'arcs' and 'n_max', or 'union'; got {sorted(data)}")
+    kind, value = read_data(data)
+    if kind == "text":
+        return parse(value)
+    if kind == "arcs":
+        return _from_arcs(*value)
+    return from_data(value[0]) | from_data(value[1])
 
 
 NAMES: dict[str, Callable[..., Topology]] = {
@@ -462,8 +395,6 @@ NAMES: dict[str, Callable[..., Topology]] = {
 # Topology.mask(n, device) copies, newest last: (id, (n, device)) -> (topology, mask)
 _MASKS: dict = {}
 _MASKS_KEPT = 64
-
-_TERM = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*([^()]*?)\s*\))?\s*$")
 
 
 def parse(spec) -> Topology:
@@ -495,32 +426,8 @@ def parse(spec) -> Topology:
 
 
 def _parse_term(term: str, spec: str) -> Topology:
-    match = _TERM.match(term)
-    if match is None:
-        raise ValueError(f"cannot parse topology {spec!r}: bad term {term.strip()!r}")
-    name, argtext = match.group(1), match.group(2)
-    if name not in NAMES:
-        raise ValueError(f"unknown topology name {name!r}; allowed: {sorted(NAMES)}")
-    args, kwargs = [], {}
-    for raw in filter(None, (a.strip() for a in (argtext or "").split(","))):
-        key, _, value = raw.rpartition("=")
-        parsed = _parse_value(value.strip(), spec)
-        if key:
-            kwargs[key.strip()] = parsed
-        else:
-            args.append(parsed)
+    name, args, kwargs = read_term(term, spec, NAMES)
     try:
         return NAMES[name](*args, **kwargs)
     except TypeError as error:
         raise ValueError(f"bad arguments for topology {name!r} in {spec!r}: {error}") from None
-
-
-def _parse_value(text: str, spec: str):
-    if text in ("True", "true"):
-        return True
-    if text in ("False", "false"):
-        return False
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"topology arguments must be integers or True/False; got {text!r} in {spec!r}") from None

@@ -1,0 +1,141 @@
+"""Topologies given as data, before they become a ``Topology``: a bool mask or a
+``networkx.DiGraph`` over the positions ``0..n_max-1``, a function of the sentence length
+that returns either, the dict ``Topology.to_data()`` stores, and the text of the built-ins
+(``"window(2) | star()"``). Each is checked here, with an error that says what is wrong,
+and read into what a ``Topology`` is made of: the stored arc table that a sentence of
+length n slices, or a term's name and arguments. ``graphs.topology`` makes the
+``Topology`` (``from_mask``, ``from_graph``, ``from_callable``, ``from_data``, ``parse``):
+this module knows no ``Topology`` class, so the imports run one way, topology -> here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection
+
+import torch
+
+from graphs.limits import MAX_NODES
+
+__all__ = ["arcs_of_mask", "arcs_of_graph", "arc_table", "arcs_of_callable", "read_data", "read_term"]
+
+_TERM = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*([^()]*?)\s*\))?\s*$")
+
+
+def arcs_of_mask(mask) -> tuple[list, int]:
+    """``(arcs, n_max)`` of a bool ``[n_max, n_max]`` mask (``mask[i, j]``: i may choose j)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"a topology mask must be a bool tensor [n_max, n_max], got {getattr(mask, 'shape', mask)!r}")
+    if mask.shape[0] != mask.shape[1] or mask.shape[0] < 1:
+        raise ValueError(f"a topology mask must be square [n_max, n_max] with n_max >= 1, got {tuple(mask.shape)}")
+    return mask.detach().cpu().nonzero().tolist(), mask.shape[0]
+
+
+def arcs_of_graph(graph) -> tuple[list, int]:
+    """``(arcs, n_max)`` of a ``networkx.DiGraph`` on the positions ``0..n_max-1`` (an edge
+    i -> j: i may choose j as head)."""
+    if not (hasattr(graph, "nodes") and hasattr(graph, "edges") and getattr(graph, "is_directed", lambda: False)()):
+        raise ValueError(f"a topology graph must be a networkx.DiGraph, got {type(graph).__name__}")
+    nodes = list(graph.nodes)
+    if not nodes or sorted(nodes, key=repr) != sorted(range(len(nodes)), key=repr):
+        shown = sorted(nodes, key=repr)[:8]
+        raise ValueError(f"a topology graph's nodes must be the positions 0..n_max-1 (integers), got {shown}")
+    return [list(edge) for edge in graph.edges], len(nodes)
+
+
+def arc_table(arcs: list, n_max: int) -> tuple[str, Callable[[int], torch.Tensor], dict]:
+    """``(name, build, data)`` of the arcs ``[[i, j], ...]`` over ``n_max`` positions:
+    ``build(n)`` is the ``[n, n]`` mask of a sentence of length n <= n_max, ``data`` the
+    stored form, and the name tells two arc sets apart."""
+    if n_max > MAX_NODES:
+        raise ValueError(f"a topology over {n_max} positions exceeds the limit of {MAX_NODES} nodes")
+    arcs = sorted({(int(i), int(j)) for i, j in arcs})
+    for i, j in arcs:
+        if not (0 <= i < n_max and 0 <= j < n_max):
+            raise ValueError(f"arc ({i}, {j}) lies outside the positions 0..{n_max - 1}")
+        if i == j:
+            raise ValueError(f"arc ({i}, {i}) is a self-arc: a node never chooses itself as head")
+    # one spare row and column (never an arc): a slice [:n, :n] with n <= n_max never takes the
+    # whole table, so torch.export keeps the length dynamic over 1..n_max (no guard n != n_max)
+    table = torch.zeros(n_max + 1, n_max + 1, dtype=torch.bool)
+    if arcs:
+        table[torch.tensor(arcs).T.unbind()] = True
+
+    def build(n: int) -> torch.Tensor:
+        if not isinstance(n, torch.SymInt) and n > n_max:
+            raise ValueError(f"this topology covers {n_max} positions (n_max); got a sentence of length {n}")
+        return table[:n, :n]
+
+    data = {"arcs": [list(a) for a in arcs], "n_max": n_max}
+    digest = sum((i * n_max + j + 1) * 2654435761 for i, j in arcs) % 16**6  # tells two arc sets apart in a name
+    return f"arcs(n_max={n_max}, {len(arcs)} arcs, #{digest:06x})", build, data
+
+
+def arcs_of_callable(build: Callable) -> tuple[str, Callable[[int], torch.Tensor]]:
+    """``(name, build_n)``: ``build_n(n)`` is the ``[n, n]`` mask of the graph or mask that
+    ``build(n)`` returns for a sentence of length n, checked as ``arcs_of_graph`` /
+    ``arcs_of_mask`` and ``arc_table`` check a stored one."""
+    if not callable(build):
+        raise ValueError(f"from_callable needs a function n -> graph or mask, got {build!r}")
+
+    def arcs(n: int) -> torch.Tensor:
+        made = build(n)
+        positions = arcs_of_mask(made) if isinstance(made, torch.Tensor) else arcs_of_graph(made)
+        _, table, _ = arc_table(*positions)
+        if positions[1] != n:
+            raise ValueError(f"the topology function returned {positions[1]} positions for a sentence of length {n}")
+        return table(n)
+
+    return f"from_callable({getattr(build, '__name__', type(build).__name__)})", arcs
+
+
+def read_data(data) -> tuple[str, object]:
+    """What ``Topology.to_data()``'s dict describes, checked: ``("text", text)``,
+    ``("arcs", (arcs, n_max))`` or ``("union", (left_data, right_data))``."""
+    if not isinstance(data, dict) or len(data) == 0:
+        raise ValueError(f"topology data must be a dict with 'text', 'arcs' or 'union', got {data!r}")
+    if set(data) == {"text"}:
+        return "text", data["text"]
+    if set(data) == {"arcs", "n_max"}:
+        n_max = data["n_max"]
+        if isinstance(n_max, bool) or not isinstance(n_max, int) or n_max < 1:
+            raise ValueError(f"topology data 'n_max' must be an integer >= 1, got {n_max!r}")
+        pairs = data["arcs"]
+        if not isinstance(pairs, list) or any(not isinstance(a, list | tuple) or len(a) != 2 for a in pairs):
+            raise ValueError("topology data 'arcs' must be a list of [i, j] pairs")
+        return "arcs", (data["arcs"], n_max)
+    if set(data) == {"union"} and isinstance(data["union"], list) and len(data["union"]) == 2:
+        return "union", (data["union"][0], data["union"][1])
+    raise ValueError(f"topology data must have the keys 'text', 'arcs' and 'n_max', or 'union'; got {sorted(data)}")
+
+
+def read_term(term: str, spec: str, names: Collection[str]) -> tuple[str, list, dict]:
+    """``(name, args, kwargs)`` of one term of a topology's text ``spec``, e.g.
+    ``"star(wrap=True)"``; the name must be one of ``names``, the arguments integers or
+    True/False."""
+    match = _TERM.match(term)
+    if match is None:
+        raise ValueError(f"cannot parse topology {spec!r}: bad term {term.strip()!r}")
+    name, argtext = match.group(1), match.group(2)
+    if name not in names:
+        raise ValueError(f"unknown topology name {name!r}; allowed: {sorted(names)}")
+    args, kwargs = [], {}
+    for raw in filter(None, (a.strip() for a in (argtext or "").split(","))):
+        key, _, value = raw.rpartition("=")
+        parsed = _read_value(value.strip(), spec)
+        if key:
+            kwargs[key.strip()] = parsed
+        else:
+            args.append(parsed)
+    return name, args, kwargs
+
+
+def _read_value(text: str, spec: str):
+    if text in ("True", "true"):
+        return True
+    if text in ("False", "false"):
+        return False
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"topology arguments must be integers or True/False; got {text!r} in {spec!r}") from None
