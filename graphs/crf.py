@@ -42,13 +42,13 @@ memory layer at the global factor's place, not a CRF factor (no ELBO).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from graphs import ternary
 from graphs import topology as topologies
+from graphs.crf_model import ModelScope, write_model
 from graphs.device_checks import refuse_unless
 from graphs.distances import distance_cuts, distance_groups
 from graphs.factors import BUILT_IN, Factor, Global, Ternary, Unary
@@ -56,9 +56,18 @@ from graphs.inputs import check_assignment, check_embeddings, check_tokens
 from graphs.limits import LIMITS, MAX_EMBEDDING_SIZE, MAX_PARAMETERS, check_parameter_count, check_size
 from graphs.ternary import TERNARY_FORMS
 
-# distance_cuts, distance_groups (graphs.distances) and LIMITS, MAX_PARAMETERS (graphs.limits)
-# are named here too: callers read them as graphs.crf.*
-__all__ = ["CRF", "distance_cuts", "distance_groups", "TERNARY_FORMS", "GLOBAL_MEMORIES", "LIMITS", "MAX_PARAMETERS"]
+# distance_cuts, distance_groups (graphs.distances), LIMITS, MAX_PARAMETERS (graphs.limits) and
+# ModelScope (graphs.crf_model) are named here too: callers read them as graphs.crf.*
+__all__ = [
+    "CRF",
+    "distance_cuts",
+    "distance_groups",
+    "TERNARY_FORMS",
+    "GLOBAL_MEMORIES",
+    "LIMITS",
+    "MAX_PARAMETERS",
+    "ModelScope",
+]
 
 GLOBAL_MEMORIES = ("dense", "product_key")
 
@@ -357,36 +366,10 @@ class CRF(nn.Module):
         never heads; a node with no legal head in a channel gets no head site.
         ``embeddings [B, n, D]`` instead of ``tokens`` for a CRF with ``embedding_size``.
         """
-        import pyro  # the declaration needs Pyro; the tensors (potentials, masks) do not
-        import pyro.distributions as dist
-
         self._check_factor_graph()
         inputs, mask = self.check_any(tokens, mask, embeddings)
         self.check_parameters()
-        B, n = mask.shape
-        N, d = self.topology.num_nodes(n), self.labels
-        unary = self.input_table(inputs, mask)
-        scope = ModelScope(inputs, mask, self.node_mask(mask), self.arc_mask(mask), unary)
-        logits = self.unary.new_zeros(B, d)
-        with pyro.plate("batch", B, dim=-1):
-            for i in range(N):
-                scope.z.append(pyro.sample(f"z_{i}", dist.Categorical(logits=logits), infer={"variable": "Z"}))
-            for template in self.templates():
-                template.add_to_model(self, scope)
-
-
-@dataclass
-class ModelScope:
-    """What templates read while they write ``CRF.model``: the checked inputs (token ids
-    ``[B, n]`` or embeddings ``[B, n, D]``), their mask, the node and arc masks, the unary
-    table ``[B, N, d]``, and the label sites ``z`` (one per node, enumerated or sampled)."""
-
-    inputs: torch.Tensor
-    mask: torch.Tensor
-    nodes: torch.Tensor
-    arcs: torch.Tensor
-    unary: torch.Tensor
-    z: list = field(default_factory=list)
+        write_model(self, inputs, mask)  # graphs.crf_model
 
 
 def _check_factors(crf, extra) -> list:
