@@ -41,7 +41,8 @@ UAS_RUNS += ["mlm-full-root-seed1", "mlm-window1-root-seed1", "mlm-star-root-see
 # the shared ternary form's learned distance prior (a bias per distance group and channel)
 UAS_RUNS += ["mlm-shared-root", "mlm-shared-root-seed1", "mlm-shared16-root"]
 # the tuned series: μP and the PTB sweep's best PT lr (3e-2), against its own full-root baseline
-TUNED = ("full-root", "full-root-seed1", "window1-root", "window1-root-seed1", "star-root", "shared-root")
+TUNED = ("full-root", "full-root-seed1", "window1-root", "window1-root-seed1", "window2-root", "window3-root")
+TUNED += ("star-root", "shared-root")
 UAS_RUNS += [f"mlm-tuned-{prior}" for prior in TUNED]
 ACT_RUNS = ["act-tau-0", "act-tau-1e-3", "act-tau-1e-2", "act-tau-1e-1", "act-tau-3e-1"]
 FREQUENCY_BUCKETS = [(0, 0), (1, 9), (10, 99), (100, 999), (1000, 10**9)]  # training counts of the word
@@ -79,7 +80,7 @@ def unigram_mlm(run: Path) -> dict:
     from probformer.training import run_config
     from probformer.training.corpus import prepare_corpus
     from probformer.training.evaluate import load_any
-    from probformer.training.trainer import evaluate_model
+    from probformer.training.validation import evaluate_model
 
     _, vocabulary = load_any(run)
     config = run_config.load(CONFIGS / "mlm-full-root.toml")
@@ -259,6 +260,7 @@ def report(results: dict) -> str:
             + ", ".join(f"{name} {value:.3f}" for name, value in gold["ceiling"].items()),
             "",
         ]
+
     def base_of(name: str) -> float | None:  # each series against its own full-root seed-0 run
         base = "mlm-tuned-full-root" if name.startswith("mlm-tuned-") else "mlm-full-root"
         return runs.get(base, {}).get("valid", {}).get("perplexity")

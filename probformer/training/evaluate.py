@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from probformer.training import checkpoint, data
+from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, windows
-from probformer.training.trainer import evaluate_model, latest_checkpoint
+from probformer.training.validation import evaluate_model
 
 __all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "encode_windows", "TASKS", "SPLITS"]
 
