@@ -31,7 +31,10 @@ disjoint, so a row's arcs split into near-diagonal bands (one diagonal per group
 the left, one group each) and the slices touching virtual nodes; their
 log-normalisers merge by log-sum-exp. The reverse message of a far part is an
 attention with queries and keys swapped whose key bias is ``-lse`` of the forward
-rows, un-normalised by its own ``lse`` (so no column sum is ever materialised).
+rows, un-normalised by its own ``lse`` (so no column sum is ever materialised). The far
+attentions run through the CPU flash op in query blocks that skip fully masked keys
+(``inference.far_attention``); everything stays token-major (``[B, N, C, r]`` per group,
+views of the projections), and the messages come back as one tensor (``stacked``).
 
 Rows with no legal head (padding, ``causal`` at i = 0) get a zero row of P and
 ``lse = 0``: a "null head" of logit 0 is the only choice there, which keeps softmax
@@ -54,16 +57,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
+from inference.far_attention import ABSENT, MASKED, far_attention, flash_available
 
-# finite "minus infinity" inside fused kernels: exp() of it is exactly 0, and it stays far
-# below any score float32 can still tell apart (potentials of 1e8 and beyond), yet twice or
-# four times it is still far from float32's largest number (3.4e38)
-_MASKED = -1e30
-# inside the far attentions (see _attention): the score of a row's sink key, and the bias of
-# keys a row must ignore; 1e30 apart, beyond any rounding of either
-_SINK = _MASKED
-_ABSENT = 2 * _MASKED
+__all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
 
 
 @dataclass
@@ -109,6 +105,7 @@ class HeadMessages:
     logits: torch.Tensor | None = None  # [B, C, N, N] (naive only; for damping)
     query: torch.Tensor | None = None  # the projections the head marginals were computed from
     key: torch.Tensor | None = None
+    stacked: torch.Tensor | None = None  # [B, N, 2, K, C, r]: forward and reverse in one tensor (fused)
 
 
 def _groups(x: torch.Tensor) -> list[torch.Tensor]:
@@ -186,105 +183,9 @@ def naive(
 
 # ---- fused ------------------------------------------------------------------------
 
-_flash_forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-
 
 def fused_available(device: torch.device) -> bool:
-    return device.type == "cpu" and _flash_forward is not None and _flash_backward is not None
-
-
-class _FlashWithLse(torch.autograd.Function):
-    """CPU flash attention whose log-sum-exp output is differentiable too.
-
-    The aten backward computes D_i = dO_i . O_i itself; the gradient g_i of lse_i
-    enters the score gradient as dS_ij = A_ij (dO_i . v_j - D_i + g_i), so one extra
-    zero column in q, k, v, a ones column in dO and a -g_i column in O fold it in.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, is_causal, attn_mask):
-        out, lse = _flash_forward(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.is_causal, ctx.attn_mask = scale, is_causal, attn_mask
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        options = dict(attn_mask=ctx.attn_mask, scale=ctx.scale)
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
-        if grad_lse is None:
-            grads = _flash_backward(grad_out, q, k, v, out, lse, 0.0, ctx.is_causal, **options)
-        else:
-            pad = lambda t: F.pad(t, (0, 1))  # noqa: E731
-            grads = _flash_backward(
-                torch.cat([grad_out, torch.ones_like(grad_out[..., :1])], -1),
-                pad(q),
-                pad(k),
-                pad(v),
-                torch.cat([out, -grad_lse.unsqueeze(-1).to(out.dtype)], -1),
-                lse,
-                0.0,
-                ctx.is_causal,
-                **options,
-            )
-            grads = [g[..., :-1] for g in grads]
-        return grads[0], grads[1], grads[2], None, None, None
-
-
-def _attention(q, k, v, key_bias, scale, *, is_causal=False, attn_mask=None):
-    """softmax(scale q k^T + key_bias + mask) v and its row lse, differentiable in all
-    tensors and in lse. key_bias ``[B, C, n_k]`` rides in one extra head dimension.
-
-    Every row must see at least one key of score _SINK (a zero key whose bias is _SINK)
-    and give every key it must ignore a score near _ABSENT or below: then a row with no
-    real key has lse = _SINK + log(#sinks) computed from exactly the same numbers in the
-    forward and the backward, so exp(score - lse) is 0 or <= 1, never an overflow from
-    cancelling two rounded sentinels (the old failure: NaN on padded rows at potentials ~10);
-    and on a row with real keys the sink weighs exp(_SINK - lse) = 0."""
-    # the scale goes into q (not 1/scale into the bias column): any finite scale, 0 included
-    q = torch.cat([scale * q, torch.ones_like(q[..., :1])], -1)
-    k = torch.cat([k, key_bias.unsqueeze(-1).to(k.dtype)], -1)
-    width = v.shape[-1]
-    v = F.pad(v, (0, q.shape[-1] - width))  # the kernel wants equal head sizes
-    if fused_available(q.device):
-        out, lse = _FlashWithLse.apply(q.contiguous(), k.contiguous(), v.contiguous(), 1.0, is_causal, attn_mask)
-    else:  # materialising fallback on other devices (correct, not memory-linear)
-        scores = q @ k.transpose(-1, -2)
-        if is_causal:
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), _ABSENT)
-        if attn_mask is not None:
-            scores = scores + attn_mask
-        lse = scores.logsumexp(-1)
-        out = (scores - lse[..., None]).exp() @ v
-    return out[..., :width], lse.to(out.dtype)  # the CPU kernel keeps lse in float32 for bf16
-
-
-def _far_left(q, k, v, key_bias, scale, shift, token_mask):
-    """Attention of query i over keys j <= i - shift (plus ``token_mask`` if given).
-    key_bias is _ABSENT on keys that exist for no query (padding)."""
-    n = q.shape[-2]
-    if token_mask is None:
-        # shift keys right by `shift` and use the causal kernel: no n x n mask at all;
-        # the `shift` zero keys in front are every row's sinks
-        pad = lambda t: F.pad(t, (0, 0, shift, 0))[..., :n, :]  # noqa: E731
-        bias = F.pad(key_bias, (shift, 0), value=_SINK)[..., :n]
-        return _attention(q, pad(k), pad(v), bias, scale, is_causal=True)
-    allowed = token_mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-shift)
-    mask = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill(~allowed, _ABSENT)
-    # one zero sink key at the end, allowed for every query
-    sink = lambda t: F.pad(t, (0, 0, 0, 1))  # noqa: E731
-    bias = F.pad(key_bias, (0, 1), value=_SINK)
-    return _attention(q, sink(k), sink(v), bias, scale, attn_mask=F.pad(mask, (0, 1)))
-
-
-def _far_right(q, k, v, key_bias, scale, shift, token_mask):
-    """Attention of query i over keys j >= i + shift: far-left on the reversed sequence."""
-    flip = lambda t: t.flip(-2)  # noqa: E731
-    mask = None if token_mask is None else token_mask.flip(0, 1)
-    out, lse = _far_left(flip(q), flip(k), flip(v), key_bias.flip(-1), scale, shift, mask)
-    return flip(out), lse.flip(-1)
+    return flash_available(device)
 
 
 def _far_masks(structure: HeadStructure):
@@ -298,6 +199,14 @@ def _far_masks(structure: HeadStructure):
     for side, reach in zip(("left", "right"), structure.band):
         sides[side] = False if reach < shift else (None if reach == math.inf else structure.token_arcs)
     return sides
+
+
+def _band_offsets(structure: HeadStructure) -> list[int]:
+    """The near diagonals that can hold an arc: |offset| <= reach, inside the topology's band
+    (a diagonal outside it is all illegal: zero weight, so it is not computed)."""
+    left, right = structure.band if structure.band is not None else (math.inf, math.inf)
+    reach, n = structure.reach, structure.n
+    return [o for o in range(-reach, reach + 1) if o and abs(o) < n and -left <= o <= right]
 
 
 def fused(
@@ -318,7 +227,10 @@ def fused(
     ``compute_dtype`` (e.g. float64) computes in a wider type still: the row normalisers
     are merged and divided in log space, so a float32 result errs by about |score| 2**-23
     relative (two tied heads at |score| ~ 1e8 lose their log 2 entirely); ``MeanField``
-    asks for float64 when its parameters allow scores that large (see ``score_bound``)."""
+    asks for float64 when its parameters allow scores that large (see ``score_bound``).
+
+    The messages come back as views of one token-major tensor ``stacked [B, N, 2, K, C, r]``
+    (forward, reverse), which the back-projection reads with one GEMM."""
     if structure.prior is not None:
         raise ValueError("the fused kernel has no head prior (adaptive span); use kernel='naive'")
     dtype = query.dtype
@@ -326,20 +238,55 @@ def fused(
     if compute_dtype is not None and torch.finfo(compute_dtype).bits > torch.finfo(wide).bits:
         wide = compute_dtype
     bias = None if bias is None else bias.to(wide)
-    result = _fused(*(t.to(wide) for t in (query, key, value, value_rev)), scale, structure, messages, bias)
-    narrow = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    return HeadMessages(narrow(result.forward), narrow(result.reverse), narrow(result.lse), query=query, key=key)
+    flash = fused_available(query.device)  # looked up here: tests patch it
+    projections = [t.to(wide) for t in (query, key, value, value_rev)]
+    result = _fused(*projections, scale, structure, messages, bias, flash)
+    lse = result.lse.to(dtype)
+    if result.stacked is None:
+        return HeadMessages(None, None, lse, query=query, key=key)
+    stacked = result.stacked.to(dtype)
+    return HeadMessages(stacked[:, :, 0], stacked[:, :, 1], lse, query=query, key=key, stacked=stacked)
 
 
-def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messages: bool, bias) -> HeadMessages:
+def _split_groups(tensors) -> list[list[torch.Tensor]]:
+    """Each ``[B, N, K, C, r]`` -> its K groups ``[B, N, C, r]`` (token-major views), with one
+    ``unbind`` per distinct tensor (async mean field passes key as value, query as value_rev):
+    its backward stacks the groups' gradients once, where indexing ``x[:, :, k]`` at every use
+    zero-filled a full-size gradient per use (issue 19's profile)."""
+    split = {}
+    return [split.setdefault(id(t), list(t.unbind(2))) for t in tensors]
+
+
+def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """``[B, L, C, r]`` with zero rows before and after: one write (``F.pad`` fills the whole
+    output, then copies), and its backward is a slice."""
+    if not before and not after:
+        return x
+    zeros = lambda rows: x.new_zeros(()).expand(x.shape[0], rows, *x.shape[2:])  # noqa: E731
+    return torch.cat([zeros(before), x, zeros(after)], 1)
+
+
+def _total(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The sum of a slot's message parts (in the order they came), or zeros (not allocated)."""
+    if not parts:
+        return like.new_zeros(()).expand_as(like)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messages: bool, bias, flash) -> HeadMessages:
+    """Token-major throughout: projections ``[B, N, C, r]`` per group, row quantities
+    (scores, normalisers) ``[B, n, C]``."""
     B, N, K, C, r = query.shape  # K = 1: shared by every group (one message slot for all)
     n, gamma, reach = structure.n, structure.gamma, structure.reach
     cuts = structure.bucket_cuts
     m = N - n
     dtype = query.dtype
     arcs, nodes, has_head = structure.arcs, structure.nodes, structure.has_head
-    token_nodes = nodes[:, None, :n]  # [B, 1, n]
-    queries, keys, values, values_rev = (_groups(t) for t in (query, key, value, value_rev))
+    token_nodes = nodes[:, :n, None]  # [B, n, 1]
+    queries, keys, values, values_rev = _split_groups((query, key, value, value_rev))
 
     def group_of(offset: int) -> int:  # right: the bucket of the distance; left: after the right ones
         bucket = sum(abs(offset) >= cut for cut in cuts)
@@ -348,94 +295,93 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
     def slot(k: int) -> int:  # where group k's projections and messages live
         return 0 if K == 1 else k
 
-    def bias_of(k: int) -> torch.Tensor | float:  # [C, 1]: group k's bias per channel
-        return 0.0 if bias is None else bias[k][:, None]
+    def bias_of(k: int) -> torch.Tensor | float:  # [C]: group k's bias per channel
+        return 0.0 if bias is None else bias[k]
 
     # 1. scores of every part, per row
-    band = {}  # offset -> [B, C, n] scores of arc (i, i + offset), _MASKED where illegal
-    for offset in [o for o in range(-reach, reach + 1) if o and abs(o) < n]:
+    band = {}  # offset -> [B, n, C] scores of arc (i, i + offset), MASKED where illegal
+    for offset in _band_offsets(structure):
         k = group_of(offset)
-        q_k, key_k = queries[slot(k)][..., :n, :], keys[slot(k)][..., :n, :]
+        q_k, key_k = queries[slot(k)], keys[slot(k)]
         lo, hi = max(0, -offset), n - max(0, offset)
-        s = scale * (q_k[..., lo:hi, :] * key_k[..., lo + offset : hi + offset, :]).sum(-1) + bias_of(k)
-        legal = arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)[:, None]  # [B, 1, hi - lo]
-        s = F.pad(s.masked_fill(~legal, _MASKED), (lo, n - hi), value=_MASKED)
-        band[offset] = s
+        s = scale * (q_k[:, lo:hi] * key_k[:, lo + offset : hi + offset]).sum(-1) + bias_of(k)
+        legal = arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)[..., None]  # [B, hi - lo, 1]
+        band[offset] = F.pad(s.masked_fill(~legal, MASKED), (0, 0, lo, n - hi), value=MASKED)
 
     sides = _far_masks(structure)
+    shift = reach + 1
     far = {}
-    for side, attend, k in (("right", _far_right, gamma), ("left", _far_left, 2 * gamma + 1)):
-        if sides[side] is False or n <= reach + 1:
+    for side, k in (("right", gamma), ("left", 2 * gamma + 1)):
+        if sides[side] is False or n <= shift:
             continue
-        key_bias = torch.where(token_nodes, bias_of(k), _ABSENT).to(dtype).expand(B, C, n)
-        q_k, key_k, v_k = (g[slot(k)][..., :n, :] for g in (queries, keys, values))
-        out, lse = attend(q_k, key_k, v_k, key_bias, scale, reach + 1, sides[side])
-        far[side] = (k, out, torch.where(token_nodes, lse, _MASKED))
+        key_bias = torch.where(token_nodes, bias_of(k), ABSENT).to(dtype).expand(B, n, C)
+        q_k, key_k, v_k = (g[slot(k)][:, :n] for g in (queries, keys, values))
+        out, lse = far_attention(q_k, key_k, v_k, key_bias, scale, shift, side, sides[side], flash)
+        far[side] = (k, out, torch.where(token_nodes, lse.transpose(1, 2), MASKED))
 
     if m:
         kv = structure.virtual_group
-        q_v, key_v = queries[slot(kv)], keys[slot(kv)]
+        q_v, key_v = (g[slot(kv)].transpose(1, 2) for g in (queries, keys))  # [B, C, N, r]
         bias_v = 0.0 if bias is None else bias[kv][:, None, None]  # [C, 1, 1]
         virtual_cols = scale * (q_v[..., :n, :] @ key_v[..., n:, :].transpose(-1, -2)) + bias_v  # [B, C, n, m]
-        virtual_cols = virtual_cols.masked_fill(~arcs[:, None, :n, n:], _MASKED)
+        virtual_cols = virtual_cols.masked_fill(~arcs[:, None, :n, n:], MASKED)
         virtual_rows = scale * (q_v[..., n:, :] @ key_v.transpose(-1, -2)) + bias_v  # [B, C, m, N]
-        virtual_rows = virtual_rows.masked_fill(~arcs[:, None, n:, :], _MASKED)
+        virtual_rows = virtual_rows.masked_fill(~arcs[:, None, n:, :], MASKED)
 
     # 2. the row log-normaliser: log-sum-exp over the parts, plus the null head
-    null = torch.where(has_head, _MASKED, 0.0).to(dtype)[:, None, :].expand(B, C, N)
-    token_parts = [null[..., :n, None]] + [s[..., None] for s in band.values()]
+    null = torch.where(has_head, MASKED, 0.0).to(dtype)[..., None]  # [B, N, 1]
+    token_parts = [null[:, :n, None].expand(B, n, C, 1)] + [s[..., None] for s in band.values()]
     token_parts += [lse[..., None] for (_, _, lse) in far.values()]
     if m:
-        token_parts.append(virtual_cols)
-    lse_tokens = torch.cat(token_parts, -1).logsumexp(-1)  # [B, C, n]
+        token_parts.append(virtual_cols.transpose(1, 2))  # [B, n, C, m]
+    lse_tokens = torch.cat(token_parts, -1).logsumexp(-1)  # [B, n, C]
+    lse = lse_tokens.transpose(1, 2)  # [B, C, n]
     if m:
-        lse_virtual = torch.cat([null[..., n:, None], virtual_rows], -1).logsumexp(-1)
-        lse = torch.cat([lse_tokens, lse_virtual], -1)
-    else:
-        lse = lse_tokens
+        lse_virtual = torch.cat([null[:, None, n:].expand(B, C, m, 1), virtual_rows], -1)
+        lse_virtual = lse_virtual.logsumexp(-1)  # [B, C, m]
+        lse = torch.cat([lse, lse_virtual], -1)
 
     if not messages:  # the ELBO needs only the normalisers: skip the reverse attentions
         return HeadMessages(None, None, torch.where(has_head[:, None], lse, 0.0))
 
-    # 3. messages
-    forward = [query.new_zeros(B, C, N, r) for _ in range(K)]
-    reverse = [query.new_zeros(B, C, N, r) for _ in range(K)]
+    # 3. messages, per slot a list of full-length parts [B, N, C, r]
+    forward, reverse = [[] for _ in range(K)], [[] for _ in range(K)]
     for offset, s in band.items():
-        k = group_of(offset)
-        p = (s - lse_tokens).exp()  # [B, C, n]: P(i -> i + offset)
+        p = (s - lse_tokens).exp()[..., None]  # [B, n, C, 1]: P(i -> i + offset)
         lo, hi = max(0, -offset), n - max(0, offset)
-        k = slot(k)
-        contribution = p[..., lo:hi, None] * values[k][..., lo + offset : hi + offset, :]
-        forward[k] = forward[k] + F.pad(contribution, (0, 0, lo, N - hi))
+        k = slot(group_of(offset))
+        contribution = p[:, lo:hi] * values[k][:, lo + offset : hi + offset]
+        forward[k].append(_pad_rows(contribution, lo, N - hi))
         # head h = i + offset receives from dependent i = h - offset
-        contribution = p[..., lo:hi, None] * values_rev[k][..., lo:hi, :]
-        reverse[k] = reverse[k] + F.pad(contribution, (0, 0, lo + offset, N - hi - offset))
+        contribution = p[:, lo:hi] * values_rev[k][:, lo:hi]
+        reverse[k].append(_pad_rows(contribution, lo + offset, N - hi - offset))
     for side, (k, out, part_lse) in far.items():
         weight = (part_lse - lse_tokens).exp()[..., None]
-        forward[slot(k)] = forward[slot(k)] + F.pad(weight * out, (0, 0, 0, m))
+        forward[slot(k)].append(_pad_rows(weight * out, 0, m))
         # reverse: head i gathers dependents j on the opposite side, weighted exp(s_ji + bias - lse_j)
-        swap = _far_left if side == "right" else _far_right
+        swap = "left" if side == "right" else "right"
         mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
-        key_bias = torch.where(token_nodes, bias_of(k) - lse_tokens, _ABSENT)
-        k = slot(k)
-        q_k, key_k, v_rev = (g[k][..., :n, :] for g in (keys, queries, values_rev))
-        out_rev, lse_rev = swap(q_k, key_k, v_rev, key_bias, scale, reach + 1, mask)
+        key_bias = torch.where(token_nodes, bias_of(k) - lse_tokens, ABSENT)
+        q_k, key_k, v_rev = (g[slot(k)][:, :n] for g in (keys, queries, values_rev))
+        out_rev, lse_rev = far_attention(q_k, key_k, v_rev, key_bias, scale, shift, swap, mask, flash)
         # a padding head has no dependent: drop its row before exp() (its raw scores may be huge).
         # lse_rev = log sum_j P(j -> i) <= log n exactly, but each term is exp(score - lse_j)
         # with lse_j rounded elsewhere: past ~1e7 in float32 that can overflow, so cap it
-        lse_rev = torch.where(token_nodes, lse_rev.clamp(max=math.log(n)), _MASKED)
-        reverse[k] = reverse[k] + F.pad(lse_rev.exp()[..., None] * out_rev, (0, 0, 0, m))
+        lse_rev = torch.where(token_nodes, lse_rev.transpose(1, 2).clamp(max=math.log(n)), MASKED)
+        reverse[slot(k)].append(_pad_rows(lse_rev.exp()[..., None] * out_rev, 0, m))
     if m:
-        p_cols = (virtual_cols - lse_tokens[..., None]).exp()  # [B, C, n, m]
+        p_cols = (virtual_cols - lse_tokens.transpose(1, 2)[..., None]).exp()  # [B, C, n, m]
         p_rows = (virtual_rows - lse_virtual[..., None]).exp()  # [B, C, m, N]
         kv = slot(kv)
-        v_v, v_rev_v = values[kv], values_rev[kv]
-        forward[kv] = forward[kv] + torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2)
+        v_v, v_rev_v = (g[kv].transpose(1, 2) for g in (values, values_rev))  # [B, C, N, r]
+        forward[kv].append(torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2).transpose(1, 2))
         from_rows = p_rows.transpose(-1, -2) @ v_rev_v[..., n:, :]  # [B, C, N, r]
         from_cols = p_cols.transpose(-1, -2) @ v_rev_v[..., :n, :]  # [B, C, m, r]
-        reverse[kv] = reverse[kv] + from_rows + F.pad(from_cols, (0, 0, n, 0))
+        reverse[kv].append((from_rows + F.pad(from_cols, (0, 0, n, 0))).transpose(1, 2))
+    like = queries[0]
+    stacked = torch.stack([_total(parts, like) for parts in forward + reverse], dim=2).unflatten(2, (2, K))
     lse = torch.where(has_head[:, None], lse, 0.0)
-    return HeadMessages(_unheads(forward), _unheads(reverse), lse)
+    return HeadMessages(stacked[:, :, 0], stacked[:, :, 1], lse, stacked=stacked)
 
 
 def log_normaliser(

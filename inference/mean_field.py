@@ -36,99 +36,23 @@ Options (each a named constructor argument):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import flex_kernel, head_kernels
+from inference import flex_kernel, head_kernels, kernel_choice
 from inference.factor_messages import FactorTerms
 from inference.halting import ACT, HALTING, HALTING_SOURCES, ConfidenceExit
 from inference.head_kernels import HeadStructure
+from inference.message_weights import MessageWeights, MupScales
 from inference.posterior import Posterior
+from inference.projections import back_project, project
 
 __all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
 
 SCHEDULES = ("async", "parallel", "sequential", "macaron")
 INITIAL_HEAD_LOGITS = ("none", "ones")
 KERNELS = ("auto", "naive", "fused", "flex")
-# perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
-_AUTO_FUSED_MIN_NODES = 129
-# The shared ternary form: one projection for every group makes the materialised kernel plain
-# GEMMs with no per-group masks; benchmarks/shared_form.py (2 threads, a loaded machine) measured
-# it 6.3x faster than the fused kernel at n = 128 and 3.8x at n = 512 (B = 8, d = 256, C = 8,
-# r = 64), with [B, C, n, n] marginals of 64 MiB at n = 512. Past 512 nodes: the memory-linear
-# fused kernel (not measured between 512 and 2048).
-_AUTO_FUSED_MIN_NODES_SHARED = 513
-# the fused kernel in float32 errs by about |score| 2**-23 relative (head_kernels.fused);
-# measured on random CRFs (benchmarks/reliability): <= 1e-4 after 3 iterations while the
-# score bound stays below 512, up to O(1) at 1e8. Past it the fused kernel computes in float64.
-_FUSED_FLOAT32_MAX_SCORE = 512.0
-
-
-@dataclass(frozen=True)
-class MessageWeights:
-    """The six information weights (pt-spec.md §4.2): one multiplier per message that
-    enters a softmax. All 1 is the CRF's own mean field."""
-
-    unary: float = 1.0  # unary potential -> label logits
-    head: float = 1.0  # the head i chose -> label logits of i
-    dependents: float = 1.0  # every j that chose i -> label logits of i (reverse direction)
-    topic: float = 1.0  # global variable -> label logits
-    attention: float = 1.0  # ternary -> head logits
-    topic_logits: float = 1.0  # binary -> global-variable logits
-
-    @classmethod
-    def reference(cls, labels: int) -> MessageWeights:
-        """The PT reference code: lambda_H = 1/d, i.e. head and topic logits times d."""
-        return cls(attention=float(labels), topic_logits=float(labels))
-
-    @classmethod
-    def parse(cls, value, labels: int) -> MessageWeights:
-        if value is None or value == "crf":
-            return cls()
-        if value == "reference":
-            return cls.reference(labels)
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {f.name for f in fields(cls)}
-            if unknown:
-                raise ValueError(f"unknown message weights {sorted(unknown)}; allowed: {[f.name for f in fields(cls)]}")
-            return cls(**{k: float(v) for k, v in value.items()})
-        raise ValueError(f"weights must be 'crf', 'reference', a dict or MessageWeights, got {value!r}")
-
-
-@dataclass(frozen=True)
-class MupScales:
-    """μP's dimension factors (pt-spec.md §4.2, reconstructed): temperature tau = d / r on
-    the label distribution; head logits at 1/r in quasi-distribution units (d q_z), i.e.
-    ``tau * d`` on probabilities; label messages in quasi-distribution units."""
-
-    temperature: float
-    attention: float  # head logits
-    ternary_message: float  # head and dependents messages to the labels
-    topic_message: float  # global message to the labels
-    topic_logits: float  # global-variable logits
-
-    @classmethod
-    def at(cls, labels: float, rank: float, global_labels: float = 0) -> MupScales:
-        """The absolute factors at width ``labels``, rank ``rank`` and ``global_labels``
-        global values (floats allowed: a base width need not be buildable)."""
-        d, r, m = float(labels), float(rank), float(max(global_labels, 1))
-        tau = d / r
-        return cls(temperature=tau, attention=tau * d, ternary_message=d, topic_message=m, topic_logits=tau * m)
-
-    @classmethod
-    def reconstruction(cls, crf) -> MupScales:
-        """The absolute factors of ``crf`` (as if tuned at width 1)."""
-        return cls.at(crf.labels, crf.rank, crf.global_labels)
-
-    def relative_to(self, base: MupScales) -> MupScales:
-        """Factors divided by the base width's: all 1 at the base width, so a μP model
-        tuned there equals the standard one (``probformer.mup`` uses this form)."""
-        return MupScales(**{f.name: getattr(self, f.name) / getattr(base, f.name) for f in fields(self)})
 
 
 def _entropy(p: torch.Tensor) -> torch.Tensor:
@@ -277,29 +201,7 @@ class MeanField(nn.Module):
         }
 
     def resolved_kernel(self, num_nodes: int, device: torch.device) -> str:
-        if self.kernel != "auto":
-            if self.kernel in ("fused", "flex") and self.dropout and self.training:
-                raise ValueError(
-                    f"kernel={self.kernel!r} cannot apply dropout to head marginals; use kernel='naive' "
-                    "or dropout=0 (or eval mode)"
-                )
-            return self.kernel
-        shared = getattr(self.crf, "ternary_form", None) == "shared"
-        fused_from = _AUTO_FUSED_MIN_NODES_SHARED if shared else _AUTO_FUSED_MIN_NODES
-        needs_naive = (
-            (self.dropout and self.training)
-            or self.damping[1] > 0
-            or self.step_size[1] < 1
-            or self.schedule == "sequential"
-            or self.span is not None
-        )
-        if needs_naive:
-            return "naive"
-        if flex_kernel.flex_available(device):  # CUDA: the compiled flex_attention kernel
-            return "flex"
-        if not head_kernels.fused_available(device) or num_nodes < fused_from:
-            return "naive"
-        return "fused"
+        return kernel_choice.resolved_kernel(self, num_nodes, device)
 
     # ---- building blocks -------------------------------------------------------------
 
@@ -346,9 +248,7 @@ class MeanField(nn.Module):
         the group axis has size 1 when one projection serves every group (the shared
         ternary form: one GEMM, not K)."""
         u, v, _ = self.crf.projection_tables()
-        query = torch.einsum("bnd,kcdr->bnkcr", q_z, u)
-        key = torch.einsum("bnd,kcdr->bnkcr", q_z, v)
-        return query, key
+        return project(q_z, u, v)
 
     def head_bias(self) -> torch.Tensor | None:
         """``[K, C]`` the head-logit bias of each distance group and channel (the shared
@@ -357,61 +257,12 @@ class MeanField(nn.Module):
         return self.crf.projection_tables()[2]
 
     def fused_compute_dtype(self, scale: float) -> torch.dtype | None:
-        """float64 when the CRF's parameters allow head scores (times ``scale``) beyond what
-        the fused kernel computes accurately in float32, else None (the input's type).
-
-        The bound is a host sync, so it is recomputed only when a parameter changed (its
-        version counter, a host-side number), e.g. once per optimiser step, never per
-        forward of a fixed model; under torch.compile / export the last value read eagerly
-        (at construction at the latest) is used."""
-        cached = getattr(self, "_score_bound_cache", None)
-        if self.crf.unary.is_meta:  # shapes only (nothing to read): the input's type
-            bound = 0.0
-        elif torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            bound = cached[1] if cached is not None else 0.0  # a traced graph reads no version counter
-        else:
-            try:
-                state = tuple((id(p), p._version) for p in self.crf.parameters())
-            except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
-                state = None
-            if state is None or cached is None or cached[0] != state:
-                with torch.no_grad():  # host reads: the scores' bound and the bias's
-                    u, v, bias = self.crf.projection_tables()
-                    scores = head_kernels.score_bound(u, v)
-                    largest_bias = scores.new_zeros(()) if bias is None else bias.abs().max()
-                    bound = (float(scores), float(largest_bias))
-                self._score_bound_cache = (state, bound)
-            else:
-                bound = cached[1]
-        scores, bias = bound if isinstance(bound, tuple) else (bound, 0.0)
-        return torch.float64 if abs(scale) * scores + bias > _FUSED_FLOAT32_MAX_SCORE else None
+        """float64 when the parameters allow head scores the fused kernel cannot compute
+        accurately in float32, else None (``kernel_choice.fused_compute_dtype``)."""
+        return kernel_choice.fused_compute_dtype(self, scale)
 
     def heads(self, query, key, value, value_rev, structure, kernel, previous=None):
-        scale = self.scales()["attention"]
-        if kernel in ("fused", "flex"):
-            wide = self.fused_compute_dtype(scale)
-            options = dict(compute_dtype=wide, bias=self.head_bias())
-            fast = head_kernels.fused if kernel == "fused" else flex_kernel.flex
-            return fast(query, key, value, value_rev, scale, structure, **options)
-        return head_kernels.naive(
-            query,
-            key,
-            value,
-            value_rev,
-            scale,
-            structure,
-            damping=self.damping[1],
-            previous_logits=self._first_head_logits(query) if previous is None else previous.logits,
-            step_size=self.step_size[1],
-            previous_probs=None if previous is None else previous.probs,
-            dropout=self.dropout,
-            training=self.training,
-            bias=self.head_bias(),
-        )
-
-    def _first_head_logits(self, query):
-        """What the first head update is damped against: nothing, or the reference's ones."""
-        return query.new_ones(()) if self.initial_head_logits == "ones" else None
+        return kernel_choice.heads(self, query, key, value, value_rev, structure, kernel, previous)
 
     def topic(self, q_z, mask):
         """Global-variable marginals ``[B, n, g]`` and their message to the labels ``[B, N, d]``.
@@ -452,7 +303,9 @@ class MeanField(nn.Module):
         the global message (None: no global variable)."""
         s = self.scales()
         logits = s["unary"] * unary
-        if messages is not None:  # per group, or (shared tables) summed over the groups
+        if messages is not None and messages.stacked is not None:  # both directions in one GEMM
+            logits = logits + back_project(messages.stacked, *self.crf.projection_tables()[:2], s)
+        elif messages is not None:  # per group, or (shared tables) summed over the groups
             u, v, _ = self.crf.projection_tables()
             head = torch.einsum("bnkcr,kcdr->bnd", messages.forward, u)
             dependents = torch.einsum("bnkcr,kcdr->bnd", messages.reverse, v)

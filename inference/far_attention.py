@@ -1,0 +1,224 @@
+"""The far attentions of the fused head kernel (``head_kernels.fused``), token-major.
+
+Row i attends over the keys at token offset ``shift`` or more on one side -- ``"left"``:
+j <= i - shift, ``"right"``: j >= i + shift -- optionally also within a ``token_mask
+[n, n]``, with logit ``scale q_i . k_j + key_bias_j``. It returns the attention output and
+the row log-normaliser, both differentiable (the lse too: the reverse messages divide by it).
+
+Layout: every tensor is token-major, ``[B, n, C, r]`` (the projections' own layout; views
+of them are read in place), and so is the output; the CPU flash-attention op reads and
+writes that layout through strides. The key bias rides in one extra column (queries get a
+column of ones, values a zero column), which the backward reuses to carry the gradient of
+the lse (see ``_BlockedFlash.backward``).
+
+Sinks: ``shift`` zero keys of score ``_SINK`` are placed where the masked triangle starts
+(before the tokens on the left, after them on the right), so every row sees at least one
+key and a row with no real key has lse = _SINK + log(#sinks), computed from the same
+numbers in the forward and the backward (``head_kernels``' docstring says why that matters).
+Keys a row must ignore get ``_ABSENT``.
+
+Blocks (issue 19): the op's own causal mode skips masked work only in 512-key steps, so
+the rows are cut into query blocks, and each block is given only the keys some row of it
+can see (a prefix on the left, a suffix on the right): a half of the n x n work plus a
+sliver per block, instead of all of it. The block masks of an unmasked side are windows
+of one strip ``[block, n + block]`` (memory linear in n); a ``token_mask`` gets its rows'
+slice per block.
+
+Off the CPU (or without the op) the same attention is materialised (correct, O(n^2) memory).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["far_attention", "flash_available", "MASKED", "SINK", "ABSENT"]
+
+# finite "minus infinity" inside fused kernels: exp() of it is exactly 0, and it stays far
+# below any score float32 can still tell apart (potentials of 1e8 and beyond), yet twice or
+# four times it is still far from float32's largest number (3.4e38)
+MASKED = -1e30
+# the score of a row's sink keys, and the bias of keys a row must ignore: 1e30 apart,
+# beyond any rounding of either
+SINK = MASKED
+ABSENT = 2 * MASKED
+
+_flash_forward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def flash_available(device: torch.device) -> bool:
+    return device.type == "cpu" and _flash_forward is not None and _flash_backward is not None
+
+
+def query_block(n: int) -> int:
+    """Rows per block: 8 blocks or more (the skipped work tends to a half as blocks shrink),
+    but none under 64 rows (each block is one call of the op)."""
+    return max(64, -(-n // 8))
+
+
+def _heads(x: torch.Tensor) -> torch.Tensor:
+    """Token-major ``[B, L, C, E]`` -> the op's ``[B, C, L, E]`` (a view)."""
+    return x.transpose(1, 2)
+
+
+def _augmented(q, k, v, key_bias, scale: float, shift: int, side: str):
+    """``(q', k', v')`` ``[B, L, C, r + 1]``: scaled queries with a ones column, keys with the
+    key-bias column, values with a zero column; keys and values with the ``shift`` sinks."""
+    B, n, C, r = q.shape
+    queries = q.new_empty(B, n, C, r + 1)
+    queries[..., :r] = q
+    queries[..., :r] *= scale  # the scale on q: any finite scale, 0 included
+    queries[..., r] = 1
+    keys, values = q.new_empty(B, n + shift, C, r + 1), q.new_empty(B, n + shift, C, r + 1)
+    tokens, sinks = (slice(shift, None), slice(0, shift)) if side == "left" else (slice(0, n), slice(n, None))
+    keys[:, tokens, :, :r] = k
+    keys[:, tokens, :, r] = key_bias
+    keys[:, sinks] = 0
+    keys[:, sinks, :, r] = SINK
+    values[:, tokens, :, :r] = v
+    values[:, tokens, :, r] = 0
+    values[:, sinks] = 0
+    return queries, keys, values
+
+
+def _visible(rows: torch.Tensor, keys: torch.Tensor, n: int, shift: int, side: str, token_mask) -> torch.Tensor:
+    """Bool ``[len(rows), len(keys)]``: may row i see augmented key t (sinks included)?"""
+    rows, keys = rows[:, None], keys[None, :]
+    if side == "left":  # key t is token t - shift; the sinks are t < shift
+        visible, token = keys <= rows, keys - shift
+        is_token = token >= 0
+    else:  # key t is token t; the sinks are t >= n
+        visible, token = keys >= rows + shift, keys
+        is_token = token < n
+    if token_mask is not None:
+        allowed = token_mask[rows, token.clamp(0, n - 1)]
+        visible = visible & (allowed | ~is_token)
+    return visible
+
+
+def _blocks(n: int, shift: int, side: str, token_mask, dtype, device):
+    """``[(rows, keys, mask [1, 1, rows, keys])]``, one per query block, as slices."""
+    size = query_block(n)
+    starts = range(0, n, size)
+    if token_mask is None:  # every block's mask is a window of one strip
+        rows = torch.arange(size, device=device)
+        if side == "left":  # strip[a, x] visible iff x <= n + a; block at q: columns n - q ..
+            strip = _visible(rows + n, torch.arange(n + size, device=device), n, 0, side, None)
+        else:  # strip[a, x] visible iff x >= a; block at q: its first n - q columns
+            strip = _visible(rows, torch.arange(n, device=device), n, 0, side, None)
+        strip = torch.zeros(strip.shape, dtype=dtype, device=device).masked_fill(~strip, ABSENT)
+    blocks = []
+    for lo in starts:
+        hi = min(lo + size, n)
+        keys = slice(0, hi) if side == "left" else slice(lo + shift, n + shift)
+        if token_mask is None:
+            columns = slice(n - lo, n - lo + hi) if side == "left" else slice(0, n - lo)
+            mask = strip[: hi - lo, columns]
+        else:
+            rows = torch.arange(lo, hi, device=device)
+            visible = _visible(rows, torch.arange(keys.start, keys.stop, device=device), n, shift, side, token_mask)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, ABSENT)
+        blocks.append((slice(lo, hi), keys, mask[None, None]))
+    return blocks
+
+
+class _BlockedFlash(torch.autograd.Function):
+    """The far attention through the CPU flash op, one call per query block.
+
+    Backward: the op computes D_i = dO_i . O_i itself; the gradient g_i of lse_i enters the
+    score gradient as dS_ij = A_ij (dO_i . v_j - D_i + g_i). The values' extra column is
+    zero (so is the output's), so a ones column in dO and -g_i in that column of O fold it
+    in; the keys' extra column then receives the key bias's gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_bias, scale, shift, side, token_mask):
+        B, n, C, r = q.shape
+        queries, keys, values = _augmented(q, k, v, key_bias, scale, shift, side)
+        blocks = _blocks(n, shift, side, token_mask, q.dtype, q.device)
+        out = q.new_empty(B, n, C, r + 1)
+        lse = None
+        for rows, cols, mask in blocks:
+            o, part = _flash_forward(
+                _heads(queries[:, rows]),
+                _heads(keys[:, cols]),
+                _heads(values[:, cols]),
+                0.0,
+                False,
+                attn_mask=mask,
+                scale=1.0,
+            )
+            if lse is None:  # the op's own lse type (float32 for half inputs)
+                lse = part.new_empty(B, C, n)
+            out[:, rows] = _heads(o)
+            lse[:, :, rows] = part
+        ctx.save_for_backward(queries, keys, values, lse)
+        ctx.out, ctx.blocks, ctx.scale, ctx.shift, ctx.side = out, blocks, scale, shift, side
+        return out[..., :r], lse.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        queries, keys, values, lse = ctx.saved_tensors
+        out, r = ctx.out, queries.shape[-1] - 1
+        d_out = torch.empty_like(out)
+        if grad_out is None:
+            d_out[..., :r] = 0
+        else:
+            d_out[..., :r] = grad_out
+        d_out[..., r] = 1
+        # the output's extra column (zero in the forward) carries -g; rewritten at every backward
+        out[..., r] = 0 if grad_lse is None else -grad_lse.transpose(1, 2).to(out.dtype)
+        grad_queries = torch.empty_like(queries)  # the blocks' rows tile [0, n) exactly once
+        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
+        for rows, cols, mask in ctx.blocks:
+            gq, gk, gv = _flash_backward(
+                _heads(d_out[:, rows]),
+                _heads(queries[:, rows]),
+                _heads(keys[:, cols]),
+                _heads(values[:, cols]),
+                _heads(out[:, rows]),
+                lse[:, :, rows],
+                0.0,
+                False,
+                attn_mask=mask,
+                scale=1.0,
+            )
+            grad_queries[:, rows] = _heads(gq)
+            grad_keys[:, cols] += _heads(gk)
+            grad_values[:, cols] += _heads(gv)
+        n = queries.shape[1]
+        tokens = slice(ctx.shift, None) if ctx.side == "left" else slice(0, n)
+        grad_q = grad_queries[..., :r] * ctx.scale
+        grad_k, grad_bias = grad_keys[:, tokens, :, :r], grad_keys[:, tokens, :, r]
+        return grad_q, grad_k, grad_values[:, tokens, :, :r], grad_bias, None, None, None, None
+
+
+def _materialised(q, k, v, key_bias, scale, shift, side, token_mask):
+    """The same attention with the scores materialised (other devices; differentiable)."""
+    n = q.shape[1]
+    queries = torch.cat([scale * q, torch.ones_like(q[..., :1])], -1)
+    keys = torch.cat([k, key_bias[..., None].to(k.dtype)], -1)
+    values = F.pad(v, (0, 1))
+    sinks = torch.zeros_like(keys[:, :shift])
+    sinks[..., -1] = SINK
+    pair = (lambda t, s: torch.cat([s, t], 1)) if side == "left" else (lambda t, s: torch.cat([t, s], 1))  # noqa: E731
+    keys, values = pair(keys, sinks), pair(values, torch.zeros_like(sinks))
+    queries, keys, values = (t.transpose(1, 2) for t in (queries, keys, values))
+    positions = torch.arange(n + shift, device=q.device)
+    visible = _visible(positions[:n], positions, n, shift, side, token_mask)
+    scores = (queries @ keys.transpose(-1, -2)).masked_fill(~visible, ABSENT)
+    lse = scores.logsumexp(-1)
+    out = (scores - lse[..., None]).exp() @ values
+    return out.transpose(1, 2)[..., :-1], lse
+
+
+def far_attention(q, k, v, key_bias, scale: float, shift: int, side: str, token_mask=None, flash: bool = True):
+    """``(out [B, n, C, r], lse [B, C, n])`` of row i over the keys j with j <= i - shift
+    (``side="left"``) or j >= i + shift (``"right"``), and ``token_mask[i, j]`` if given.
+    ``q, k, v [B, n, C, r]`` and ``key_bias [B, n, C]`` (``ABSENT`` on keys that exist for no
+    query, e.g. padding). ``flash``: use the CPU flash op (the caller decides: tests patch it)."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    if flash:
+        return _BlockedFlash.apply(q, k, v, key_bias, scale, shift, side, token_mask)
+    return _materialised(q, k, v, key_bias, scale, shift, side, token_mask)

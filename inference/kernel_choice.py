@@ -1,0 +1,111 @@
+"""Which head kernel a ``MeanField`` runs, in which precision, and the call itself.
+
+``MeanField.resolved_kernel``, ``fused_compute_dtype`` and ``heads`` delegate here; the
+engine keeps the maths of mean field, this module the choice between kernels that compute
+the same messages (``inference.head_kernels``, ``inference.flex_kernel``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference import flex_kernel, head_kernels
+
+__all__ = ["resolved_kernel", "fused_compute_dtype", "heads"]
+
+# perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
+AUTO_FUSED_MIN_NODES = 129
+# The shared ternary form: one projection for every group makes the materialised kernel plain
+# GEMMs with no per-group masks; benchmarks/shared_form.py (2 threads, a loaded machine) measured
+# it 6.3x faster than the fused kernel at n = 128 and 3.8x at n = 512 (B = 8, d = 256, C = 8,
+# r = 64), with [B, C, n, n] marginals of 64 MiB at n = 512. Past 512 nodes: the memory-linear
+# fused kernel (not measured between 512 and 2048).
+AUTO_FUSED_MIN_NODES_SHARED = 513
+# the fused kernel in float32 errs by about |score| 2**-23 relative (head_kernels.fused);
+# measured on random CRFs (benchmarks/reliability): <= 1e-4 after 3 iterations while the
+# score bound stays below 512, up to O(1) at 1e8. Past it the fused kernel computes in float64.
+FUSED_FLOAT32_MAX_SCORE = 512.0
+
+
+def resolved_kernel(engine, num_nodes: int, device: torch.device) -> str:
+    """The kernel ``engine`` runs on ``num_nodes`` nodes on ``device``."""
+    if engine.kernel != "auto":
+        if engine.kernel in ("fused", "flex") and engine.dropout and engine.training:
+            raise ValueError(
+                f"kernel={engine.kernel!r} cannot apply dropout to head marginals; use kernel='naive' "
+                "or dropout=0 (or eval mode)"
+            )
+        return engine.kernel
+    shared = getattr(engine.crf, "ternary_form", None) == "shared"
+    fused_from = AUTO_FUSED_MIN_NODES_SHARED if shared else AUTO_FUSED_MIN_NODES
+    needs_naive = (
+        (engine.dropout and engine.training)
+        or engine.damping[1] > 0
+        or engine.step_size[1] < 1
+        or engine.schedule == "sequential"
+        or engine.span is not None
+    )
+    if needs_naive:
+        return "naive"
+    if flex_kernel.flex_available(device):  # CUDA: the compiled flex_attention kernel
+        return "flex"
+    if not head_kernels.fused_available(device) or num_nodes < fused_from:
+        return "naive"
+    return "fused"
+
+
+def fused_compute_dtype(engine, scale: float) -> torch.dtype | None:
+    """float64 when the CRF's parameters allow head scores (times ``scale``) beyond what
+    the fused kernel computes accurately in float32, else None (the input's type).
+
+    The bound is a host sync, so it is recomputed only when a parameter changed (its
+    version counter, a host-side number), e.g. once per optimiser step, never per
+    forward of a fixed model; under torch.compile / export the last value read eagerly
+    (at construction at the latest) is used."""
+    cached = getattr(engine, "_score_bound_cache", None)
+    if engine.crf.unary.is_meta:  # shapes only (nothing to read): the input's type
+        bound = 0.0
+    elif torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        bound = cached[1] if cached is not None else 0.0  # a traced graph reads no version counter
+    else:
+        try:
+            state = tuple((id(p), p._version) for p in engine.crf.parameters())
+        except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
+            state = None
+        if state is None or cached is None or cached[0] != state:
+            with torch.no_grad():  # host reads: the scores' bound and the bias's
+                u, v, bias = engine.crf.projection_tables()
+                scores = head_kernels.score_bound(u, v)
+                largest_bias = scores.new_zeros(()) if bias is None else bias.abs().max()
+                bound = (float(scores), float(largest_bias))
+            engine._score_bound_cache = (state, bound)
+        else:
+            bound = cached[1]
+    scores, bias = bound if isinstance(bound, tuple) else (bound, 0.0)
+    return torch.float64 if abs(scale) * scores + bias > FUSED_FLOAT32_MAX_SCORE else None
+
+
+def heads(engine, query, key, value, value_rev, structure, kernel, previous=None):
+    """The head messages (``head_kernels.HeadMessages``) through ``kernel``; ``previous``:
+    the last iteration's (the naive kernel's damping and step size read it)."""
+    scale = engine.scales()["attention"]
+    if kernel in ("fused", "flex"):
+        options = dict(compute_dtype=fused_compute_dtype(engine, scale), bias=engine.head_bias())
+        fast = head_kernels.fused if kernel == "fused" else flex_kernel.flex
+        return fast(query, key, value, value_rev, scale, structure, **options)
+    first = query.new_ones(()) if engine.initial_head_logits == "ones" else None  # the reference's cache
+    return head_kernels.naive(
+        query,
+        key,
+        value,
+        value_rev,
+        scale,
+        structure,
+        damping=engine.damping[1],
+        previous_logits=first if previous is None else previous.logits,
+        step_size=engine.step_size[1],
+        previous_probs=None if previous is None else previous.probs,
+        dropout=engine.dropout,
+        training=engine.training,
+        bias=engine.head_bias(),
+    )

@@ -1,0 +1,72 @@
+"""The named multipliers of mean field's messages: ``MessageWeights`` (the six information
+weights) and ``MupScales`` (μP's dimension factors). ``MeanField.scales`` multiplies them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["MessageWeights", "MupScales"]
+
+
+@dataclass(frozen=True)
+class MessageWeights:
+    """The six information weights (pt-spec.md §4.2): one multiplier per message that
+    enters a softmax. All 1 is the CRF's own mean field."""
+
+    unary: float = 1.0  # unary potential -> label logits
+    head: float = 1.0  # the head i chose -> label logits of i
+    dependents: float = 1.0  # every j that chose i -> label logits of i (reverse direction)
+    topic: float = 1.0  # global variable -> label logits
+    attention: float = 1.0  # ternary -> head logits
+    topic_logits: float = 1.0  # binary -> global-variable logits
+
+    @classmethod
+    def reference(cls, labels: int) -> MessageWeights:
+        """The PT reference code: lambda_H = 1/d, i.e. head and topic logits times d."""
+        return cls(attention=float(labels), topic_logits=float(labels))
+
+    @classmethod
+    def parse(cls, value, labels: int) -> MessageWeights:
+        if value is None or value == "crf":
+            return cls()
+        if value == "reference":
+            return cls.reference(labels)
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"unknown message weights {sorted(unknown)}; allowed: {[f.name for f in fields(cls)]}")
+            return cls(**{k: float(v) for k, v in value.items()})
+        raise ValueError(f"weights must be 'crf', 'reference', a dict or MessageWeights, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MupScales:
+    """μP's dimension factors (pt-spec.md §4.2, reconstructed): temperature tau = d / r on
+    the label distribution; head logits at 1/r in quasi-distribution units (d q_z), i.e.
+    ``tau * d`` on probabilities; label messages in quasi-distribution units."""
+
+    temperature: float
+    attention: float  # head logits
+    ternary_message: float  # head and dependents messages to the labels
+    topic_message: float  # global message to the labels
+    topic_logits: float  # global-variable logits
+
+    @classmethod
+    def at(cls, labels: float, rank: float, global_labels: float = 0) -> MupScales:
+        """The absolute factors at width ``labels``, rank ``rank`` and ``global_labels``
+        global values (floats allowed: a base width need not be buildable)."""
+        d, r, m = float(labels), float(rank), float(max(global_labels, 1))
+        tau = d / r
+        return cls(temperature=tau, attention=tau * d, ternary_message=d, topic_message=m, topic_logits=tau * m)
+
+    @classmethod
+    def reconstruction(cls, crf) -> MupScales:
+        """The absolute factors of ``crf`` (as if tuned at width 1)."""
+        return cls.at(crf.labels, crf.rank, crf.global_labels)
+
+    def relative_to(self, base: MupScales) -> MupScales:
+        """Factors divided by the base width's: all 1 at the base width, so a μP model
+        tuned there equals the standard one (``probformer.mup`` uses this form)."""
+        return MupScales(**{f.name: getattr(self, f.name) / getattr(base, f.name) for f in fields(self)})
