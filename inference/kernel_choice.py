@@ -11,7 +11,7 @@ import torch
 
 from inference import flex_kernel, head_kernels
 
-__all__ = ["resolved_kernel", "fused_compute_dtype", "heads"]
+__all__ = ["resolved_kernel", "fused_compute_dtype", "heads", "log_normaliser"]
 
 # perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
 AUTO_FUSED_MIN_NODES = 129
@@ -109,3 +109,13 @@ def heads(engine, query, key, value, value_rev, structure, kernel, previous=None
         training=engine.training,
         bias=engine.head_bias(),
     )
+
+
+def log_normaliser(engine, query, key, structure, kernel) -> torch.Tensor:
+    """``[B, C, N]`` row log-normalisers of the head logits at scale 1 (what the ELBO reads),
+    through ``kernel``, 0 on rows with no legal head."""
+    wide = fused_compute_dtype(engine, 1.0) if kernel in ("fused", "flex") else None
+    if kernel == "flex":
+        options = dict(messages=False, compute_dtype=wide, bias=engine.head_bias())
+        return flex_kernel.flex(query, key, key, query, 1.0, structure, **options).lse
+    return head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide, engine.head_bias())

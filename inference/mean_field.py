@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import flex_kernel, head_kernels, kernel_choice
+from inference import head_kernels, kernel_choice, mean_field_bound
 from inference.factor_messages import FactorTerms
 from inference.halting import ACT, HALTING, HALTING_SOURCES, ConfidenceExit
 from inference.head_kernels import HeadStructure
-from inference.message_weights import MessageWeights, MupScales
+from inference.message_weights import MessageWeights, MupScales, labels_and_heads
 from inference.posterior import Posterior
 from inference.projections import back_project, project
 
@@ -53,20 +53,6 @@ __all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
 SCHEDULES = ("async", "parallel", "sequential", "macaron")
 INITIAL_HEAD_LOGITS = ("none", "ones")
 KERNELS = ("auto", "naive", "fused", "flex")
-
-
-def _entropy(p: torch.Tensor) -> torch.Tensor:
-    """Elementwise -p log p with a finite gradient at p = 0 (xlogy's is not)."""
-    return -p * torch.where(p > 0, p, 1.0).log()
-
-
-def _pair(name: str, value, low: float, high: float, low_open: bool = False) -> tuple[float, float]:
-    z, h = (value, value) if isinstance(value, int | float) else tuple(value)
-    for part, v in (("labels", z), ("heads", h)):
-        if not isinstance(v, int | float) or not (low < v if low_open else low <= v) or not v <= high:
-            bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-            raise ValueError(f"{name} for {part} must lie in {bound}, got {v!r}")
-    return float(z), float(h)
 
 
 class MeanField(nn.Module):
@@ -139,8 +125,8 @@ class MeanField(nn.Module):
         self.crf = crf
         self.iterations, self.schedule, self.mup, self.kernel = iterations, schedule, bool(mup), kernel
         self.dropout = float(dropout)
-        self.damping = _pair("damping", damping, 0.0, 0.999999)
-        self.step_size = _pair("step_size", step_size, 0.0, 1.0, low_open=True)
+        self.damping = labels_and_heads("damping", damping, 0.0, 0.999999)
+        self.step_size = labels_and_heads("step_size", step_size, 0.0, 1.0, low_open=True)
         self.weights = MessageWeights.parse(weights, crf.labels)
         self.mup_scales = mup_scales or MupScales.reconstruction(crf)
         if halting not in HALTING or halting_source not in HALTING_SOURCES:
@@ -317,46 +303,13 @@ class MeanField(nn.Module):
     # ---- the bound ---------------------------------------------------------------------
 
     def elbo(self, logits, unary, mask, structure, kernel="naive", terms: FactorTerms | None = None):
-        """``[B]`` ELBO of q_z = softmax(logits) with the head and global marginals at their
-        optimum given q_z, under the CRF's own potentials (any weights or μP): a member
-        of the mean-field family, so always <= log Z. (None of this holds for a product-key
-        memory, which is not a CRF factor: ``ValueError``.) ``terms``: the CRF's extra templates
-        on this batch (their expected log-potentials)."""
-        self.crf._check_factor_graph()
-        nodes = structure.nodes[..., None]
-        log_q = logits.log_softmax(-1)
-        q_z = log_q.exp() * nodes
-        query, key = self.project(q_z)
-        wide = self.fused_compute_dtype(1.0) if kernel in ("fused", "flex") else None
-        if kernel == "flex":
-            options = dict(messages=False, compute_dtype=wide, bias=self.head_bias())
-            lse = flex_kernel.flex(query, key, key, query, 1.0, structure, **options).lse  # [B, C, N]
-        else:
-            lse = head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide, self.head_bias())  # [B, C, N]
-        entropy = -(q_z * log_q).sum((1, 2))  # log_softmax keeps the gradient finite at q = 0
-        value = (q_z * unary).sum((1, 2)) + entropy + lse.sum((1, 2))
-        if self.crf.global_labels:
-            n = mask.shape[1]
-            value = value + ((q_z[:, :n] @ self.crf.binary.T).logsumexp(-1) * mask).sum(-1)
-        if terms is not None:
-            value = value + terms.expected(q_z)
-        return value
+        """``[B]`` ELBO of q_z = softmax(logits), heads and globals at their optimum given
+        q_z: always <= log Z (``mean_field_bound.elbo``)."""
+        return mean_field_bound.elbo(self, logits, unary, mask, structure, kernel, terms)
 
     def full_elbo(self, q_z, q_h, q_g, unary, mask, structure, terms: FactorTerms | None = None):
-        """``[B]`` ELBO of explicit marginals (q_h materialised): expected log-potential
-        plus entropies."""
-        query, key = self.project(q_z)
-        potentials = head_kernels.naive_logits(query, key, 1.0, structure, self.head_bias())
-        expected = torch.where(structure.arcs[:, None], potentials, 0.0)
-        value = (q_z * unary).sum((1, 2)) + (q_h * expected).sum((1, 2, 3))
-        value = value + _entropy(q_z).sum((1, 2)) + _entropy(q_h).sum((1, 2, 3))
-        if q_g is not None:
-            n = mask.shape[1]
-            value = value + (q_g * (q_z[:, :n] @ self.crf.binary.T)).sum((1, 2))
-            value = value + _entropy(q_g).sum((1, 2))
-        if terms is not None:
-            value = value + terms.expected(q_z)
-        return value
+        """``[B]`` ELBO of explicit marginals (``mean_field_bound.full_elbo``)."""
+        return mean_field_bound.full_elbo(self, q_z, q_h, q_g, unary, mask, structure, terms)
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -494,34 +447,5 @@ class MeanField(nn.Module):
         return new, heads, topic_late
 
     def _sequential(self, unary, mask, structure, kernel, terms=None):
-        """Coordinate ascent: refresh every head and global marginal, then one node's labels."""
-        nodes = structure.nodes
-        logits = unary.clone()
-        q_z = logits.softmax(-1) * nodes[..., None]
-        history, steps, deltas, all_heads = [], [], [], []
-        heads = None
-        for _ in range(self.iterations):
-            start = q_z
-            for i in range(nodes.shape[1]):
-                if not nodes[:, i].any():
-                    continue
-                query, key = self.project(q_z)
-                heads = self.heads(query, key, key, query, structure, "naive")
-                q_g, topic_message = self.topic(q_z, mask) if self.crf.global_labels else (None, None)
-                steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure, terms))
-                row = self.label_logits(unary, heads, topic_message)[:, i]
-                if terms is not None:
-                    row = row + terms.message(q_z)[:, i]
-                logits = logits.clone()
-                logits[:, i] = torch.where(nodes[:, i, None], row, logits[:, i])
-                q_z = logits.softmax(-1) * nodes[..., None]
-                steps.append(self.full_elbo(q_z, heads.probs, q_g, unary, mask, structure, terms))
-            history.append(logits)
-            deltas.append((q_z - start).abs().amax((1, 2)))
-            all_heads.append(heads)
-        extra = {
-            "elbo_steps": torch.stack(steps).detach(),
-            "max_delta": torch.stack(deltas).detach(),
-            "heads": all_heads,
-        }
-        return logits, heads, history, extra
+        """Coordinate ascent (``mean_field_bound.sequential``)."""
+        return mean_field_bound.sequential(self, unary, mask, structure, terms)

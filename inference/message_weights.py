@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["MessageWeights", "MupScales"]
+__all__ = ["MessageWeights", "MupScales", "labels_and_heads"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,14 @@ class MupScales:
         """Factors divided by the base width's: all 1 at the base width, so a μP model
         tuned there equals the standard one (``probformer.mup`` uses this form)."""
         return MupScales(**{f.name: getattr(self, f.name) / getattr(base, f.name) for f in fields(self)})
+
+
+def labels_and_heads(name: str, value, low: float, high: float, low_open: bool = False) -> tuple[float, float]:
+    """``(labels, heads)``: one setting (damping, step size) for each kind of marginal, from one
+    number or a pair, each in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+    z, h = (value, value) if isinstance(value, int | float) else tuple(value)
+    for part, v in (("labels", z), ("heads", h)):
+        if not isinstance(v, int | float) or not (low < v if low_open else low <= v) or not v <= high:
+            bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+            raise ValueError(f"{name} for {part} must lie in {bound}, got {v!r}")
+    return float(z), float(h)
