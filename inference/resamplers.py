@@ -30,47 +30,55 @@ class SystematicResampler:
     (one filter run: the same B, N, dtype and device): a filter step allocates nothing for
     it, and its working set stays in cache.
 
-    Position i + u (u ~ U[0, 1) per filter, scaled to N) falls past particle j's cumulative
-    weight C_j exactly for i >= first_j = floor(N C_j / total + 1 - u), so ancestor_i =
-    #{j : first_j <= i}: a histogram of first (one scatter-add) and a cumulative sum. O(N)
+    Position i + 1 - v (v ~ U[0, 1) per filter, scaled to N) falls past particle j's
+    cumulative weight C_j exactly for i >= first_j = floor(N C_j / total + v), so ancestor_i =
+    #{j : first_j <= i}: a histogram of first (one scatter) and a cumulative sum. O(N)
     per filter, where a binary search per position (``searchsorted``) is O(N log N) and,
     on CPUs, some 100x slower at N = 1,000."""
 
-    def __init__(self, batch: int, num_particles: int, device=None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        batch: int,
+        num_particles: int,
+        device=None,
+        dtype: torch.dtype | None = None,
+        steps: torch.Tensor | None = None,
+    ):
+        """``steps``: a ``[B, N]`` buffer for the scaled weights, e.g. the caller's weights buffer
+        when it may be overwritten (a smaller working set); None: one of its own."""
         B, N = batch, num_particles
-        self.steps = torch.empty(B, N, device=device, dtype=dtype)
+        self.steps = torch.empty(B, N, device=device, dtype=dtype) if steps is None else steps
         self.first = torch.empty(B, N, device=device, dtype=torch.long)
         self.counts = torch.empty(B, N + 1, device=device, dtype=torch.int32)
-        self.ancestors = torch.empty(B, N, device=device, dtype=torch.int32)
-        self.ones = torch.ones((), device=device, dtype=torch.int32).expand(B, N)
+        # materialised: a scatter over an expanded source (stride 0) takes a ~1.5x slower path
+        # on CPUs (and an expanded one, or positions written into ``out``, make torch.compile's
+        # graph of a filter disagree with eager)
+        self.ones = torch.ones(B, N, device=device, dtype=torch.int32)
 
     def __call__(self, weights, total=None, resampled=None, generator=None, out=None) -> torch.Tensor:
         """Ancestors ``[B, N]`` (int64, written into ``out`` if given) for weights ``[B, N]``
         with row sums ``total`` ``[B]`` (None: normalised rows). Filters where ``resampled``
         ``[B]`` is False get the identity."""
         B, N = weights.shape
-        u = torch.rand(B, 1, device=weights.device, dtype=weights.dtype, generator=generator)
-        offset = torch.rsub(u, 1)
+        # the positions are i + 1 - v, v ~ U[0, 1): first_j = floor(N C_j / total + v)
+        offset = torch.rand(B, 1, device=weights.device, dtype=weights.dtype, generator=generator)
         scale = float(N) if total is None else torch.reciprocal(total.detach()).mul_(N).unsqueeze(1)
         if resampled is None:
             steps = torch.mul(weights, scale, out=self.steps)
         else:
             # a filter that does not resample gets steps 1 (cumulative j + 1, exact in floating
-            # point) and offset 1/2: first_j = j + 1, the identity. Arithmetic on the finite
-            # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs
-            row = resampled.unsqueeze(1)
-            chosen = row.to(weights.dtype)
+            # point): first_j = floor(j + 1 + v) = j + 1, the identity. Arithmetic on the finite
+            # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs (and
+            # not addcmul either: with [B, 1] operands it is ~2x slower than the two passes)
+            chosen = resampled.unsqueeze(1).to(weights.dtype)
             steps = torch.mul(weights, chosen * scale, out=self.steps).add_(torch.rsub(chosen, 1))
-            offset = torch.where(row, offset, 0.5)
-        # the offset joins the first step: one cumulative sum gives N C_j / total + 1 - u
+        # the offset joins the first step: one cumulative sum gives N C_j / total + v
         steps.narrow(1, 0, 1).add_(offset)
         first = self.first.copy_(steps.cumsum_(-1).clamp_(max=N))  # positive: truncation is the floor
         first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
-        counts = self.counts.zero_().scatter_add_(1, first, self.ones)
-        # an int32 cumulative sum, then one widening copy (on a CPU, alone, ~2x faster than a
-        # cumulative sum that widens as it goes)
-        ancestors = torch.cumsum(counts[:, :N], -1, out=self.ancestors)
-        return out.copy_(ancestors) if out is not None else ancestors.long()
+        self.counts.zero_().scatter_add_(1, first, self.ones)
+        # an integer cumulative sum widens to int64 as it goes, straight into the output
+        return torch.cumsum(self.counts.narrow(1, 0, N), -1, dtype=torch.long, out=out)
 
 
 def systematic_ancestors(

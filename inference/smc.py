@@ -228,7 +228,11 @@ class SMC:
         maxima_rows, ess_rows = row_maxima.unbind(0), ess_all.unbind(0)
         ancestor_rows = ancestors_all.unbind(0) if resampling else None
         systematic = self.relaxation is None and self.resample == "systematic" and resampling
-        resampler = SystematicResampler(B, N, device, dtype) if systematic else None
+        # the resampler scales the weights in place: they are not read after it
+        resampler = SystematicResampler(B, N, device, dtype, steps=weights_buffer) if systematic else None
+        # [B, 1]: 0 where the last step resampled (its log-weights restart at 0), else 1; applied
+        # with the next increment, in the same pass
+        keep = None
         for t in range(num_steps):
             particles, increment = step(t, particles)
             if increment.shape != (B, N):
@@ -236,14 +240,17 @@ class SMC:
                     f"step must return log-incremental weights [B, N] = {(B, N)}, got {tuple(increment.shape)}"
                 )
             in_place = not (log_weights.requires_grad or increment.requires_grad) and increment.dtype == dtype
-            joint = log_weights.add_(increment) if in_place else log_weights + increment
+            if keep is None:
+                joint = log_weights.add_(increment) if in_place else log_weights + increment
+            else:
+                joint = torch.addcmul(increment, log_weights, keep, out=log_weights if in_place else None)
             if joint.dtype != dtype:  # the increments promote the weights (float64 ones, float32 particles)
                 dtype = joint.dtype
                 row_maxima, ess_all = row_maxima.to(dtype), ess_all.to(dtype)
                 maxima_rows, ess_rows = row_maxima.unbind(0), ess_all.unbind(0)
                 lowest, flush, flushed = _limits(dtype)
                 weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
-                resampler = SystematicResampler(B, N, device, dtype) if systematic else None
+                resampler = SystematicResampler(B, N, device, dtype, steps=weights_buffer) if systematic else None
             top = torch.amax(joint.detach(), -1, out=maxima_rows[t])
             relative = joint.sub_(top.unsqueeze(1)).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
@@ -269,10 +276,12 @@ class SMC:
                 particles = gather(particles, ancestors)  # the identity rows gather themselves
             else:
                 particles = self._resample(particles, relative, log_total, weights, total, resampled, ancestor_rows[t])
-            # all 0 where resampled (relative is finite), else relative
-            keep = resampled.logical_not().to(dtype).unsqueeze(1)
-            log_weights = relative.mul_(keep) if in_place else relative * keep
+            # all 0 where resampled (relative is finite), else relative: applied next step
+            keep = resampled.logical_not().unsqueeze(1).to(dtype)
+            log_weights = relative
             log_norm = torch.where(resampled, log_n, log_total)
+        if keep is not None:
+            log_weights = log_weights * keep
         resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
         if resampled_steps:
             resampled_all = torch.stack(resampled_steps)

@@ -56,10 +56,11 @@ def test_systematic_fast_path_equals_a_binary_search(n, seed, power):
     w = torch.rand(3, n, generator=g, dtype=torch.float64) ** power
     w = w / w.sum(-1, keepdim=True)
     fast = resample_indices(w, "systematic", torch.Generator().manual_seed(seed))
-    u = torch.rand(3, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    # the resampler's positions are (i + 1 - v) / N with v its one U[0, 1) draw per filter
+    v = torch.rand(3, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     cumulative = w.cumsum(-1)
     cumulative[:, -1] = 1.0
-    expected = torch.searchsorted(cumulative, ((torch.arange(n) + u) / n).contiguous()).clamp(max=n - 1)
+    expected = torch.searchsorted(cumulative, ((torch.arange(n) + 1 - v) / n).contiguous()).clamp(max=n - 1)
     assert torch.equal(fast, expected)
 
 
