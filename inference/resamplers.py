@@ -57,12 +57,12 @@ class SystematicResampler:
 
     def __call__(self, weights, total=None, resampled=None, generator=None, out=None) -> torch.Tensor:
         """Ancestors ``[B, N]`` (int64, written into ``out`` if given) for weights ``[B, N]``
-        with row sums ``total`` ``[B]`` (None: normalised rows). Filters where ``resampled``
-        ``[B]`` is False get the identity."""
+        with row sums ``total`` ``[B]`` or ``[B, 1]`` (None: normalised rows). Filters where
+        ``resampled`` (``[B]`` or ``[B, 1]``) is False get the identity."""
         B, N = weights.shape
         # the positions are i + 1 - v, v ~ U[0, 1): first_j = floor(N C_j / total + v)
         offset = torch.rand(B, 1, device=weights.device, dtype=weights.dtype, generator=generator)
-        scale = float(N) if total is None else torch.reciprocal(total.detach()).mul_(N).unsqueeze(1)
+        scale = float(N) if total is None else torch.reciprocal(_column(total.detach())).mul_(N)
         if resampled is None:
             steps = torch.mul(weights, scale, out=self.steps)
         else:
@@ -70,7 +70,7 @@ class SystematicResampler:
             # point): first_j = floor(j + 1 + v) = j + 1, the identity. Arithmetic on the finite
             # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs (and
             # not addcmul either: with [B, 1] operands it is ~2x slower than the two passes)
-            chosen = resampled.unsqueeze(1).to(weights.dtype)
+            chosen = _column(resampled).to(weights.dtype)
             steps = torch.mul(weights, chosen * scale, out=self.steps).add_(torch.rsub(chosen, 1))
         # the offset joins the first step: one cumulative sum gives N C_j / total + v
         steps.narrow(1, 0, 1).add_(offset)
@@ -79,6 +79,11 @@ class SystematicResampler:
         self.counts.zero_().scatter_add_(1, first, self.ones)
         # an integer cumulative sum widens to int64 as it goes, straight into the output
         return torch.cumsum(self.counts.narrow(1, 0, N), -1, dtype=torch.long, out=out)
+
+
+def _column(per_filter: torch.Tensor) -> torch.Tensor:
+    """``[B]`` or ``[B, 1]`` as ``[B, 1]`` (no dispatch when it already is one)."""
+    return per_filter if per_filter.dim() == 2 else per_filter.unsqueeze(1)
 
 
 def systematic_ancestors(

@@ -113,6 +113,17 @@ def _first_tensor(particles, where: str) -> torch.Tensor:
     return next(iter(particles.values()))
 
 
+def _columns(per_step: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views ``[B, 1]`` of the rows of a per-step record ``[T, B]``."""
+    return per_step.unsqueeze(2).unbind(0)
+
+
+def _value(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor without its autograd history; itself when it has none (detach is a
+    dispatch, a few microseconds, on every call)."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
 def _is_real(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -207,9 +218,9 @@ class SMC:
         # log Z = sum_t (top_t + log_total_t - log_norm_{t-1}), summed after the run
         log_totals, log_norms = [], []
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
-        always = torch.ones(B, device=device, dtype=torch.bool) if self.ess_threshold >= 1 else None
+        always = torch.ones(B, 1, device=device, dtype=torch.bool) if self.ess_threshold >= 1 else None
         ess_all = torch.empty(num_steps, B, device=device, dtype=dtype)
-        # per step [B] (fresh tensors: autograd saves them, and a write into a view of one [T, B]
+        # per step [B, 1] (fresh tensors: autograd saves them, and a write into a view of one [T, B]
         # buffer would bump the version they were saved at); stacked after the run
         resampled_steps = []
         # written in place step by step (no stack of T tensors at the end); never resampling,
@@ -224,8 +235,10 @@ class SMC:
         # without autograd a step works in place on buffers of the run (the log-weights, the
         # weights, the resampler's): nothing allocated, a working set that stays in cache
         weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
-        # one view per step, taken once (indexing in the loop costs a Python call per step)
-        maxima_rows, ess_rows = row_maxima.unbind(0), ess_all.unbind(0)
+        # one view per step, taken once (indexing in the loop costs a Python call per step);
+        # per-filter values are columns [B, 1] in the loop: they broadcast against [B, N] with
+        # no unsqueeze per use
+        maxima_rows, ess_rows = _columns(row_maxima), _columns(ess_all)
         ancestor_rows = ancestors_all.unbind(0) if resampling else None
         systematic = self.relaxation is None and self.resample == "systematic" and resampling
         # the resampler scales the weights in place: they are not read after it
@@ -247,44 +260,44 @@ class SMC:
             if joint.dtype != dtype:  # the increments promote the weights (float64 ones, float32 particles)
                 dtype = joint.dtype
                 row_maxima, ess_all = row_maxima.to(dtype), ess_all.to(dtype)
-                maxima_rows, ess_rows = row_maxima.unbind(0), ess_all.unbind(0)
+                maxima_rows, ess_rows = _columns(row_maxima), _columns(ess_all)
                 lowest, flush, flushed = _limits(dtype)
                 weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
                 resampler = SystematicResampler(B, N, device, dtype, steps=weights_buffer) if systematic else None
-            top = torch.amax(joint.detach(), -1, out=maxima_rows[t])
-            relative = joint.sub_(top.unsqueeze(1)).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
+            top = torch.amax(_value(joint), -1, keepdim=True, out=maxima_rows[t])
+            relative = joint.sub_(top).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
             if in_place:
                 unnormalised = torch.clamp_min(relative, flush, out=weights_buffer).exp_()
                 torch.threshold_(unnormalised, flushed, 0.0)
             else:
                 unnormalised = torch.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
-            total = unnormalised.sum(-1)
+            total = unnormalised.sum(-1, keepdim=True)
             log_total = total.log()
             log_totals.append(log_total)
             log_norms.append(log_norm)
-            norm = torch.linalg.vector_norm(unnormalised.detach(), dim=-1)
-            ess = torch.div(total.detach(), norm, out=ess_rows[t]).square_()
+            weights, total_value = _value(unnormalised), _value(total)
+            norm = torch.linalg.vector_norm(weights, dim=-1, keepdim=True)
+            ess = torch.div(total_value, norm, out=ess_rows[t]).square_()
             if not resampling:
                 log_weights, log_norm = relative, log_total
                 continue
             resampled = always if always is not None else ess < threshold
             resampled_steps.append(resampled)
-            weights = unnormalised.detach()
             if resampler is not None:
-                ancestors = resampler(weights, total.detach(), resampled, self.generator, out=ancestor_rows[t])
+                ancestors = resampler(weights, total_value, resampled, self.generator, out=ancestor_rows[t])
                 particles = gather(particles, ancestors)  # the identity rows gather themselves
             else:
                 particles = self._resample(particles, relative, log_total, weights, total, resampled, ancestor_rows[t])
             # all 0 where resampled (relative is finite), else relative: applied next step
-            keep = resampled.logical_not().unsqueeze(1).to(dtype)
+            keep = resampled.logical_not().to(dtype)
             log_weights = relative
             log_norm = torch.where(resampled, log_n, log_total)
         if keep is not None:
             log_weights = log_weights * keep
         resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
         if resampled_steps:
-            resampled_all = torch.stack(resampled_steps)
+            resampled_all = torch.stack(resampled_steps).squeeze(2)
         first_bad = _first_bad(row_maxima, lowest)
         never = num_steps
         if self.validate:
@@ -292,11 +305,11 @@ class SMC:
         # unvalidated: a filter whose weights went bad reports log-evidence NaN, never a number
         log_evidence = torch.zeros(B, device=device, dtype=dtype)
         if num_steps:
-            log_evidence = row_maxima.sum(0) + torch.stack(log_totals).sum(0) - log_n
+            log_evidence = row_maxima.sum(0) + torch.stack(log_totals).sum(0).squeeze(1) - log_n
             if num_steps > 1:
-                log_evidence = log_evidence - torch.stack(log_norms[1:]).sum(0)
+                log_evidence = log_evidence - torch.stack(log_norms[1:]).sum(0).squeeze(1)
         log_evidence = torch.where(first_bad.amin(0) < never, math.nan, log_evidence)
-        normaliser = log_norm[:, None] if isinstance(log_norm, torch.Tensor) else log_norm
+        normaliser = log_norm  # [B, 1] or a number
         log_weights = torch.where(log_weights > lowest / 2, log_weights - normaliser, -math.inf)
         return SMCResult(
             log_evidence=log_evidence,
@@ -309,16 +322,17 @@ class SMC:
 
     def _resample(self, particles, relative, log_total, unnormalised, total, resampled, ancestors_out):
         """The new particles; the ancestors (identity in filters that do not resample) are
-        written into ``ancestors_out``."""
+        written into ``ancestors_out``. Per-filter values (``log_total``, ``total``,
+        ``resampled``) are columns [B, 1]."""
         B, N = unnormalised.shape
         identity = torch.arange(N, device=unnormalised.device).expand(B, N)
         if self.relaxation is None:
-            drawn = resample_indices(unnormalised / total.detach()[:, None], self.resample, self.generator)
-            ancestors = torch.where(resampled[:, None], drawn, identity, out=ancestors_out)
+            drawn = resample_indices(unnormalised / total.detach(), self.resample, self.generator)
+            ancestors = torch.where(resampled, drawn, identity, out=ancestors_out)
             return gather(particles, ancestors)
-        log_weights = relative - log_total[:, None]
+        log_weights = relative - log_total
         mixing, hard_choice = relaxed_mixing(log_weights, self.relaxation, self.temperature, self.generator)
-        torch.where(resampled[:, None], hard_choice, identity, out=ancestors_out)
+        torch.where(resampled, hard_choice, identity, out=ancestors_out)
         return select(resampled, mix(particles, mixing), particles)
 
     # ---- Pyro state-space models ------------------------------------------------------
