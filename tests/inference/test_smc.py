@@ -208,6 +208,33 @@ def test_soft_resampling_approaches_hard_as_temperature_falls():
     assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3
 
 
+@pytest.mark.parametrize(
+    "resample,relaxation", [("systematic", None), ("multinomial", None), ("systematic", "gumbel-softmax")]
+)
+def test_unrecorded_ancestors_change_nothing_else(resample, relaxation):
+    """record_ancestors=False: the same run (the same draws from the generator) in every
+    other output, and the same evidence gradient (autograd saves the gather index of each
+    step, which a shared ancestors buffer overwrites)."""
+    ys, A, Q, H, R, m0, P0 = lgssm(1, seed=3, steps=8)
+
+    def run(record, theta):
+        g = torch.Generator().manual_seed(2)
+        init, step = bootstrap(ys, A, Q, H, R, m0, P0, 32, g)
+        shifted = lambda t, x: step(t, x + theta)  # noqa: E731
+        smc = SMC(32, resample=resample, relaxation=relaxation, ess_threshold=0.5, generator=g, record_ancestors=record)
+        return smc.filter(init, shifted, num_steps=8, batch_size=4)
+
+    theta = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    recorded, unrecorded = run(True, theta), run(False, theta)
+    assert unrecorded.ancestors is None and recorded.ancestors.shape == (8, 4, 32)
+    assert recorded.resampled.any() and not recorded.resampled.all()
+    for name in ("log_evidence", "log_weights", "particles", "ess", "resampled"):
+        torch.testing.assert_close(getattr(unrecorded, name), getattr(recorded, name), rtol=0, atol=0)
+    (gradient,) = torch.autograd.grad(recorded.log_evidence.sum(), theta)
+    (unrecorded_gradient,) = torch.autograd.grad(unrecorded.log_evidence.sum(), theta)
+    assert torch.isfinite(gradient) and gradient.item() == unrecorded_gradient.item()
+
+
 # ---- bad input ---------------------------------------------------------------------
 
 
@@ -219,6 +246,7 @@ def test_soft_resampling_approaches_hard_as_temperature_falls():
         (dict(num_particles=4, ess_threshold=1.5), "ess_threshold"),
         (dict(num_particles=4, relaxation="soft"), "unknown relaxation"),
         (dict(num_particles=4, temperature=0.0), "temperature"),
+        (dict(num_particles=4, record_ancestors=1), "record_ancestors must be True or False"),
     ],
 )
 def test_bad_arguments(kwargs, match):
