@@ -8,7 +8,8 @@ independent filters (Pyro runs them one after another; ours as one batch); boots
 proposal, systematic resampling at ESS / N < 1/2 in both. Each engine's figure is the
 best of ``--rounds`` runs, the rounds interleaved (SMCFilter, then each of ours, then
 again) so that a change in the machine's load reaches every engine alike; the ratio is
-taken in the same process. Also the eager vs torch.compile time of one filter step.
+taken in the same process. Also the model's steps alone (the floor a filter of this model
+cannot go below), and the eager vs torch.compile time of one filter step.
 torch.set_num_threads(--threads) for every engine.
 """
 
@@ -81,6 +82,14 @@ def callables(ys, g):
     return init, step
 
 
+def model_steps(ys, g):
+    """The tensor callables' init and steps with nothing of a filter: no weights, no resampling."""
+    init, step = callables(ys, g)
+    x = init(FILTERS)
+    for t in range(STEPS):
+        x, _ = step(t, x)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -109,6 +118,20 @@ def main():
             "inference.SMC, tensor callables, float32 (batched)",
             torch.float32,
             lambda: SMC(N, generator=g).filter(*callables(ys32, g), num_steps=STEPS, batch_size=FILTERS),
+        ),
+        (
+            # SMCFilter keeps no ancestry either
+            "inference.SMC, tensor callables, float32, record_ancestors=False (batched)",
+            torch.float32,
+            lambda: SMC(N, generator=g, record_ancestors=False).filter(
+                *callables(ys32, g), num_steps=STEPS, batch_size=FILTERS
+            ),
+        ),
+        (
+            # not a filter: the floor that the model's own work sets (its draws and log-densities)
+            "the float32 model's steps alone, no filtering (batched)",
+            torch.float32,
+            lambda: model_steps(ys32, g),
         ),
     )
     # wall-clock seconds, and the process's CPU seconds beside them: on a shared machine the
