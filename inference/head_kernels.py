@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.far_attention import ABSENT, MASKED, far_attention, flash_available
+from inference.message_assembly import Part, assemble
 
 __all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
 
@@ -257,25 +258,6 @@ def _split_groups(tensors) -> list[list[torch.Tensor]]:
     return [split.setdefault(id(t), list(t.unbind(2))) for t in tensors]
 
 
-def _pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
-    """``[B, L, C, r]`` with zero rows before and after: one write (``F.pad`` fills the whole
-    output, then copies), and its backward is a slice."""
-    if not before and not after:
-        return x
-    zeros = lambda rows: x.new_zeros(()).expand(x.shape[0], rows, *x.shape[2:])  # noqa: E731
-    return torch.cat([zeros(before), x, zeros(after)], 1)
-
-
-def _total(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """The sum of a slot's message parts (in the order they came), or zeros (not allocated)."""
-    if not parts:
-        return like.new_zeros(()).expand_as(like)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
 def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messages: bool, bias, flash) -> HeadMessages:
     """Token-major throughout: projections ``[B, N, C, r]`` per group, row quantities
     (scores, normalisers) ``[B, n, C]``."""
@@ -344,20 +326,18 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
     if not messages:  # the ELBO needs only the normalisers: skip the reverse attentions
         return HeadMessages(None, None, torch.where(has_head[:, None], lse, 0.0))
 
-    # 3. messages, per slot a list of full-length parts [B, N, C, r]
-    forward, reverse = [[] for _ in range(K)], [[] for _ in range(K)]
+    # 3. messages: parts written into one tensor, forward of slot k in slot k, reverse in K + k
+    parts = []
     for offset, s in band.items():
         p = (s - lse_tokens).exp()[..., None]  # [B, n, C, 1]: P(i -> i + offset)
         lo, hi = max(0, -offset), n - max(0, offset)
         k = slot(group_of(offset))
-        contribution = p[:, lo:hi] * values[k][:, lo + offset : hi + offset]
-        forward[k].append(_pad_rows(contribution, lo, N - hi))
+        parts.append(Part(k, lo, hi - lo, values[k], lo + offset, p, lo))
         # head h = i + offset receives from dependent i = h - offset
-        contribution = p[:, lo:hi] * values_rev[k][:, lo:hi]
-        reverse[k].append(_pad_rows(contribution, lo + offset, N - hi - offset))
+        parts.append(Part(K + k, lo + offset, hi - lo, values_rev[k], lo, p, lo))
     for side, (k, out, part_lse) in far.items():
         weight = (part_lse - lse_tokens).exp()[..., None]
-        forward[slot(k)].append(_pad_rows(weight * out, 0, m))
+        parts.append(Part(slot(k), 0, n, out, 0, weight))
         # reverse: head i gathers dependents j on the opposite side, weighted exp(s_ji + bias - lse_j)
         swap = "left" if side == "right" else "right"
         mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
@@ -368,18 +348,20 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
         # lse_rev = log sum_j P(j -> i) <= log n exactly, but each term is exp(score - lse_j)
         # with lse_j rounded elsewhere: past ~1e7 in float32 that can overflow, so cap it
         lse_rev = torch.where(token_nodes, lse_rev.transpose(1, 2).clamp(max=math.log(n)), MASKED)
-        reverse[slot(k)].append(_pad_rows(lse_rev.exp()[..., None] * out_rev, 0, m))
+        parts.append(Part(K + slot(k), 0, n, out_rev, 0, lse_rev.exp()[..., None]))
     if m:
         p_cols = (virtual_cols - lse_tokens.transpose(1, 2)[..., None]).exp()  # [B, C, n, m]
         p_rows = (virtual_rows - lse_virtual[..., None]).exp()  # [B, C, m, N]
         kv = slot(kv)
         v_v, v_rev_v = (g[kv].transpose(1, 2) for g in (values, values_rev))  # [B, C, N, r]
-        forward[kv].append(torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2).transpose(1, 2))
+        virtual = torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2).transpose(1, 2)
+        parts.append(Part(kv, 0, N, virtual, 0))
         from_rows = p_rows.transpose(-1, -2) @ v_rev_v[..., n:, :]  # [B, C, N, r]
         from_cols = p_cols.transpose(-1, -2) @ v_rev_v[..., :n, :]  # [B, C, m, r]
-        reverse[kv].append((from_rows + F.pad(from_cols, (0, 0, n, 0))).transpose(1, 2))
-    like = queries[0]
-    stacked = torch.stack([_total(parts, like) for parts in forward + reverse], dim=2).unflatten(2, (2, K))
+        parts.append(Part(K + kv, 0, N, (from_rows + F.pad(from_cols, (0, 0, n, 0))).transpose(1, 2), 0))
+    if not parts:  # no arc can exist (n = 1, no virtual node): zero messages
+        parts.append(Part(0, 0, N, queries[0].new_zeros(()).expand_as(queries[0]), 0))
+    stacked = assemble(parts, 2 * K, N).unflatten(2, (2, K))
     lse = torch.where(has_head[:, None], lse, 0.0)
     return HeadMessages(stacked[:, :, 0], stacked[:, :, 1], lse, stacked=stacked)
 

@@ -46,7 +46,7 @@ from inference.halting import ACT, HALTING, HALTING_SOURCES, ConfidenceExit
 from inference.head_kernels import HeadStructure
 from inference.message_weights import MessageWeights, MupScales, labels_and_heads
 from inference.posterior import Posterior
-from inference.projections import back_project, project
+from inference.projections import GemmTables, back_project, project
 
 __all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
 
@@ -229,12 +229,16 @@ class MeanField(nn.Module):
         soft = ((self.span_ramp + self.spans()[:, None, None] - distance) / self.span_ramp).clamp(1e-6, 1)
         return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
-    def project(self, q_z):
+    def project(self, q_z, tables: GemmTables | None = None):
         """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals;
         the group axis has size 1 when one projection serves every group (the shared
-        ternary form: one GEMM, not K)."""
+        ternary form: one GEMM, not K). ``tables``: ``gemm_tables()``, made once per forward."""
+        return project(q_z, tables or self.gemm_tables())
+
+    def gemm_tables(self) -> GemmTables:
+        """The projection tables in the GEMMs' layouts, message weights included."""
         u, v, _ = self.crf.projection_tables()
-        return project(q_z, u, v)
+        return GemmTables.of(u, v, self.scales())
 
     def head_bias(self) -> torch.Tensor | None:
         """``[K, C]`` the head-logit bias of each distance group and channel (the shared
@@ -284,13 +288,13 @@ class MeanField(nn.Module):
         best, chosen = pair.topk(min(topk, pair.shape[-1]), dim=-1)
         return best.softmax(-1), pair_index.gather(-1, chosen)
 
-    def label_logits(self, unary, messages, topic_message):
+    def label_logits(self, unary, messages, topic_message, tables: GemmTables | None = None):
         """Label logits from the unary potentials, the head messages (None: none yet) and
         the global message (None: no global variable)."""
         s = self.scales()
         logits = s["unary"] * unary
         if messages is not None and messages.stacked is not None:  # both directions in one GEMM
-            logits = logits + back_project(messages.stacked, *self.crf.projection_tables()[:2], s)
+            logits = logits + back_project(messages.stacked, tables or self.gemm_tables())
         elif messages is not None:  # per group, or (shared tables) summed over the groups
             u, v, _ = self.crf.projection_tables()
             head = torch.einsum("bnkcr,kcdr->bnd", messages.forward, u)
@@ -374,6 +378,7 @@ class MeanField(nn.Module):
         lagged = None  # parallel: projections (and labels) of the previous iteration
         topic_late = None  # macaron: the second half-step's global message
         history, deltas, all_heads = [], [], []
+        tables = self.gemm_tables()  # once: every iteration's GEMMs read the same tables
         act = ACT(structure.nodes, self.act_epsilon, unary.dtype) if self.halting == "act" else None
         use_exit = self.halting == "exit" and not self.training and confidence is not None
         exit_ = ConfidenceExit(structure.nodes, self.exit_threshold, unary.dtype) if use_exit else None
@@ -386,10 +391,10 @@ class MeanField(nn.Module):
             q_z = q_z * nodes
             if self.schedule == "macaron":
                 new, heads, topic_late = self._macaron(
-                    unary, q_z, mask, structure, kernel, heads, topic_late, frozen, terms
+                    tables, unary, q_z, mask, structure, kernel, heads, topic_late, frozen, terms
                 )
             else:
-                query, key = self.project(q_z)
+                query, key = self.project(q_z, tables)
                 if self.schedule == "async":
                     source = (query, key, q_z)
                 else:  # zero projections and labels give uniform heads and globals at t = 0
@@ -397,7 +402,7 @@ class MeanField(nn.Module):
                     lagged = (query, key, q_z)
                 heads = self.heads(source[0], source[1], key, query, structure, kernel, heads)
                 topic_message = self.topic(source[2], mask)[1] if self.crf.global_labels else None
-                new = self.label_logits(unary, heads, topic_message)
+                new = self.label_logits(unary, heads, topic_message, tables)
                 if terms is not None:
                     new = new + terms.message(source[2])
             logits = beta_z * logits + (1 - beta_z) * new if beta_z else new
@@ -424,7 +429,7 @@ class MeanField(nn.Module):
             extra["halting"] = exit_.summary()
         return logits, heads, history, extra
 
-    def _macaron(self, unary, q_z, mask, structure, kernel, heads, topic_late, frozen=None, terms=None):
+    def _macaron(self, tables, unary, q_z, mask, structure, kernel, heads, topic_late, frozen=None, terms=None):
         """One Macaron iteration: half-step global, head update, half-step global
         (frozen nodes keep ``q_z`` through the half-steps). The extra templates' messages
         come from the labels at the start of the iteration."""
@@ -433,17 +438,17 @@ class MeanField(nn.Module):
         factor_message = terms.message(start) if terms is not None else 0.0
 
         def half_step(messages, topic_message):
-            updated = (self.label_logits(unary, messages, topic_message) + factor_message).softmax(-1) * nodes
+            updated = (self.label_logits(unary, messages, topic_message, tables) + factor_message).softmax(-1) * nodes
             return updated if frozen is None else torch.where(frozen[..., None], start, updated)
 
         topic_early = self.topic(q_z, mask)[1]
         late = torch.zeros_like(topic_early) if topic_late is None else topic_late
         q_z = half_step(heads, 0.5 * (topic_early + late))
-        query, key = self.project(q_z)
+        query, key = self.project(q_z, tables)
         heads = self.heads(query, key, key, query, structure, kernel, heads)
         q_z = half_step(heads, 0.5 * (topic_early + late))
         topic_late = self.topic(q_z, mask)[1]
-        new = self.label_logits(unary, heads, 0.5 * (topic_early + topic_late)) + factor_message
+        new = self.label_logits(unary, heads, 0.5 * (topic_early + topic_late), tables) + factor_message
         return new, heads, topic_late
 
     def _sequential(self, unary, mask, structure, kernel, terms=None):

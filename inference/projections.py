@@ -4,13 +4,19 @@
 ``query = q U``, ``key = q V``, each ``[B, N, K, C, r]`` (K = 1: one shared by every group).
 ``back_project``: the head kernels' messages back to label space, ``forward U^T`` and
 ``reverse V^T`` times their weights, summed over groups and channels.
+
+``GemmTables`` holds the tables in the GEMMs' layouts; an unrolled forward makes them once and
+every iteration reuses them (the layout copies, the weights' products and the tables'
+gradients then happen once per forward, not once per iteration).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["project", "back_project"]
+__all__ = ["GemmTables", "project", "back_project"]
 
 
 def _rows(table: torch.Tensor) -> torch.Tensor:
@@ -19,17 +25,32 @@ def _rows(table: torch.Tensor) -> torch.Tensor:
     return table.permute(2, 0, 1, 3).reshape(d, K * C * r)
 
 
-def project(q_z: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class GemmTables:
+    query: torch.Tensor  # [d, K C r]
+    key: torch.Tensor  # [d, K C r]
+    back: torch.Tensor  # [2 K C r, d]: forward and reverse messages to label logits, weighted
+    groups: tuple[int, int, int]  # (K, C, r)
+
+    @classmethod
+    def of(cls, u: torch.Tensor, v: torch.Tensor, scales: dict) -> GemmTables:
+        """From tables ``u, v [K, C, d, r]`` and the message weights ``scales["head"]`` and
+        ``scales["dependents"]``."""
+        query, key = _rows(u), _rows(v)
+        back = torch.cat([scales["head"] * query.T, scales["dependents"] * key.T])
+        return cls(query, key, back, (u.shape[0], u.shape[1], u.shape[3]))
+
+
+def project(q_z: torch.Tensor, tables: GemmTables) -> tuple[torch.Tensor, torch.Tensor]:
     """``(query, key)`` ``[B, N, K, C, r]``: one GEMM per table over all groups and channels.
     Two GEMMs, not one over ``[U | V]``: their gradients arrive separately, and one GEMM
     would first stack them (a copy of both)."""
-    shape = (*q_z.shape[:-1], *u.shape[:2], u.shape[-1])
-    return (q_z @ _rows(u)).view(shape), (q_z @ _rows(v)).view(shape)
+    shape = (*q_z.shape[:-1], *tables.groups)
+    return (q_z @ tables.query).view(shape), (q_z @ tables.key).view(shape)
 
 
-def back_project(stacked: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scales: dict) -> torch.Tensor:
+def back_project(stacked: torch.Tensor, tables: GemmTables) -> torch.Tensor:
     """``[B, N, d]``: ``scales["head"] forward U^T + scales["dependents"] reverse V^T`` in one
     GEMM, from the messages ``stacked [B, N, 2, K, C, r]`` (forward, reverse) as the fused
     kernel returns them (contiguous: the GEMM reads them, and its gradient is written, in place)."""
-    table = torch.cat([scales["head"] * _rows(u).T, scales["dependents"] * _rows(v).T])  # [2 K C r, d]
-    return stacked.flatten(2) @ table
+    return stacked.flatten(2) @ tables.back

@@ -1,0 +1,112 @@
+"""The fused kernel's messages written straight into one token-major tensor.
+
+Every message of ``head_kernels.fused`` is a sum of parts ``weight[i] * source[i + shift]``
+over a range of rows (a band diagonal: the head probability times the value one offset
+away; a far attention: its weight times its output; the virtual nodes' products, unweighted).
+``assemble`` writes each part once into ``[B, N, S, C, r]`` (S slots: forward and reverse of
+every group), zeroing only the rows no part covers. With autograd ops the same sum made a
+product tensor per part, padded it to full length (another copy), then stacked the slots (a
+third), and each slice's backward zero-filled a full-size gradient (issue 19's profile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Part", "assemble"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """``out[:, row : row + length, slot] (+)= weight[:, weight_row : ..] * source[:, source_row : ..]``
+    (tensors ``[B, L, C, r]``, the weight ``[B, L, C, 1]`` or None)."""
+
+    slot: int
+    row: int
+    length: int
+    source: torch.Tensor
+    source_row: int
+    weight: torch.Tensor | None = None
+    weight_row: int = 0
+
+
+def _rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    return t[:, start : start + length]
+
+
+class _Assemble(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec, slots, rows, *tensors):
+        # spec: (slot, row, length, source index, source row, weight index or -1, weight row)
+        B, _, C, r = tensors[spec[0][3]].shape
+        out = tensors[spec[0][3]].new_empty(B, rows, slots, C, r)
+        covered = set()
+        for slot, row, length, source, source_row, weight, weight_row in spec:
+            target = _rows(out[:, :, slot], row, length)
+            value = _rows(tensors[source], source_row, length)
+            if slot in covered:  # a later part of the slot: added in order
+                target += value if weight < 0 else _rows(tensors[weight], weight_row, length) * value
+                continue
+            covered.add(slot)
+            out[:, :row, slot] = 0
+            out[:, row + length :, slot] = 0
+            target.copy_(value)
+            if weight >= 0:
+                target.mul_(_rows(tensors[weight], weight_row, length))
+        for slot in set(range(slots)) - covered:
+            out[:, :, slot] = 0
+        ctx.spec = spec
+        ctx.save_for_backward(*tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        grads = [None] * len(tensors)
+
+        def accumulate(index: int, start: int, value: torch.Tensor, factor: torch.Tensor | None = None):
+            if grads[index] is None:  # the first part: written, the other rows zeroed
+                total = torch.empty_like(tensors[index], memory_format=torch.contiguous_format)
+                total[:, :start] = 0
+                total[:, start + value.shape[1] :] = 0
+                target = _rows(total, start, value.shape[1])
+                target.copy_(value)
+                if factor is not None:
+                    target.mul_(factor)
+                grads[index] = total
+            else:
+                target = _rows(grads[index], start, value.shape[1])
+                target += value if factor is None else value * factor
+
+        for slot, row, length, source, source_row, weight, weight_row in ctx.spec:
+            part = _rows(grad[:, :, slot], row, length)
+            w = None if weight < 0 else _rows(tensors[weight], weight_row, length)
+            if needs[source]:
+                accumulate(source, source_row, part, w)
+            if weight >= 0 and needs[weight]:
+                accumulate(weight, weight_row, (part * _rows(tensors[source], source_row, length)).sum(-1, True))
+        return (None, None, None, *grads)
+
+
+def assemble(parts: list[Part], slots: int, rows: int) -> torch.Tensor:
+    """``[B, rows, slots, C, r]``: each slot the sum of its parts in the order given (zero
+    where none); differentiable in every source and weight."""
+    if not parts:
+        raise ValueError("assemble needs at least one part")
+    tensors, index = [], {}
+
+    def position(t: torch.Tensor | None) -> int:
+        if t is None:
+            return -1
+        if id(t) not in index:
+            index[id(t)] = len(tensors)
+            tensors.append(t)
+        return index[id(t)]
+
+    spec = tuple(
+        (p.slot, p.row, p.length, position(p.source), p.source_row, position(p.weight), p.weight_row) for p in parts
+    )
+    return _Assemble.apply(spec, slots, rows, *tensors)
