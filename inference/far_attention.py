@@ -177,8 +177,11 @@ class _BlockedFlash(torch.autograd.Function):
         else:
             d_out[..., :r] = grad_out
         d_out[..., r] = 1
-        # the output's extra column (zero in the forward) carries -g; rewritten at every backward
-        out[..., r] = 0 if grad_lse is None else -grad_lse.transpose(1, 2).to(out.dtype)
+        # the output's extra column (zero in the forward) carries -g (in a copy: the forward's
+        # output is a view of ``out`` and must stay untouched)
+        out_and_g = torch.empty_like(out)
+        out_and_g[..., :r] = out[..., :r]
+        out_and_g[..., r] = 0 if grad_lse is None else -grad_lse.transpose(1, 2).to(out.dtype)
         grad_queries = torch.empty_like(queries)  # the blocks' rows tile [0, n) exactly once
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
         for rows, cols, mask in ctx.blocks:
@@ -187,7 +190,7 @@ class _BlockedFlash(torch.autograd.Function):
                 _heads(queries[:, rows]),
                 _heads(keys[:, cols]),
                 _heads(values[:, cols]),
-                _heads(out[:, rows]),
+                _heads(out_and_g[:, rows]),
                 lse[:, :, rows],
                 0.0,
                 mask is None,
@@ -210,7 +213,7 @@ def _materialised(q, k, v, key_bias, scale, shift, side, token_mask):
     queries = torch.cat([scale * q, torch.ones_like(q[..., :1])], -1)
     keys = torch.cat([k, key_bias[..., None].to(k.dtype)], -1)
     values = F.pad(v, (0, 1))
-    sinks = torch.zeros_like(keys[:, :shift])
+    sinks = keys.new_zeros(keys.shape[0], shift, *keys.shape[2:])
     sinks[..., -1] = SINK
     pair = (lambda t, s: torch.cat([s, t], 1)) if side == "left" else (lambda t, s: torch.cat([t, s], 1))  # noqa: E731
     keys, values = pair(keys, sinks), pair(values, torch.zeros_like(sinks))
