@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/mean_field.py [--quick] [--out docs/benchmarks/mean_field.json]
     .venv/bin/python benchmarks/mean_field.py --against REV [--rounds 6]
     .venv/bin/python benchmarks/mean_field.py --causal [--rounds 6]
+    .venv/bin/python benchmarks/mean_field.py --floor [--rounds 3] [--threads 1] [--tree DIR]
 
 Measures, on this machine, with torch.set_num_threads(2):
   1. fused vs naive head kernel: forward+backward of T = 4 iterations, time (interleaved in
@@ -13,6 +14,13 @@ Measures, on this machine, with torch.set_num_threads(2):
   4. achieved fraction of the machine's fp32 matmul throughput;
   5. eager vs torch.compile.
 Prints markdown tables and writes the raw numbers as JSON.
+
+``--floor`` (issue 19, item 1) times only the reference configuration (d = 256, C = 8,
+r = 64, n = 512, B = 8, T = 4, gamma = 3, full topology, forward + backward): the fused
+PT iteration and the standard layer x4 interleaved in one process (min over rounds), with
+the fp32 matmul peak measured in the same run, before and after them; the fraction of the
+peak counts the algorithmic FLOPs of ``flops_per_iteration``. ``--threads`` sets the thread
+count of every mode (default 2; the subprocesses of ``--against`` too).
 
 ``--against REV`` times only the fused forward+backward (T = 4, d = 256, C = 8, r = 64)
 of this checkout against the code of git revision REV (e.g. the commit before a
@@ -35,6 +43,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch  # noqa: E402
 
 THREADS = 2
+
+
+def _set_threads(threads: int) -> None:
+    """This process's torch threads, and those of the processes ``against`` starts."""
+    global THREADS
+    THREADS = threads
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 def build(d, C, r, n, B, kernel, seed=0, topology="full"):
@@ -214,12 +230,42 @@ print(best)
 """
 
 
+def floor(rounds: int, d: int = 256, C: int = 8, r: int = 64, n: int = 512, B: int = 8) -> dict:
+    """The fused iteration against the standard layer at the reference size, with the matmul
+    peak measured in this run (the best of a measurement before and one after the timings)."""
+    peak_before = matmul_throughput()
+    best = time_interleaved(["fused", "reference"], d, C, r, n, B, rounds)
+    peak = max(peak_before, matmul_throughput())
+    flops = 3 * 4 * flops_per_iteration(d, C, r, n, B)
+    result = {
+        "threads": THREADS,
+        "d": d,
+        "C": C,
+        "r": r,
+        "n": n,
+        "B": B,
+        "rounds": rounds,
+        **best,
+        "fp32_matmul_gflops": peak,
+        "fused_gflops": flops / best["fused"] / 1e9,
+        "fused_over_standard": best["fused"] / best["reference"],
+    }
+    result["fraction_of_peak"] = result["fused_gflops"] / peak
+    print(
+        f"d = {d}, C = {C}, r = {r}, n = {n}, B = {B}, T = 4, {THREADS} thread(s), min of {rounds}: fused "
+        f"{best['fused']:.3f} s, standard layer x4 {best['reference']:.3f} s, fused / standard "
+        f"{result['fused_over_standard']:.2f}; fused {result['fused_gflops']:.1f} GFLOP/s = "
+        f"{100 * result['fraction_of_peak']:.0f}% of the fp32 matmul peak {peak:.1f} GFLOP/s"
+    )
+    return result
+
+
 def causal_vs_full(rounds: int, n: int = 2048, B: int = 1, d: int = 256, C: int = 8, r: int = 64) -> dict:
     """Fused forward+backward (T = 4) on the causal topology against the full one, in this
     process, interleaved, min over rounds (issue 19: causal <= 0.6x full at n = 2048)."""
     models = {topology: build(d, C, r, n, B, "fused", topology=topology) for topology in ("full", "causal")}
     best = {topology: math.inf for topology in models}
-    for topology, (engine, tokens) in models.items():  # warm-up
+    for engine, tokens in models.values():  # warm-up
         engine(tokens).logits.square().mean().backward()
     for _ in range(rounds):
         for topology, (engine, tokens) in models.items():
@@ -227,8 +273,10 @@ def causal_vs_full(rounds: int, n: int = 2048, B: int = 1, d: int = 256, C: int 
             engine(tokens).logits.square().mean().backward()
             best[topology] = min(best[topology], time.perf_counter() - start)
     result = {"n": n, "B": B, "d": d, "C": C, "r": r, **best, "ratio": best["causal"] / best["full"]}
-    print(f"fused, n = {n}, B = {B}: full {best['full']:.3f} s, causal {best['causal']:.3f} s, "
-          f"causal / full {result['ratio']:.3f}")
+    print(
+        f"fused, n = {n}, B = {B}: full {best['full']:.3f} s, causal {best['causal']:.3f} s, "
+        f"causal / full {result['ratio']:.3f}"
+    )
     return result
 
 
@@ -277,8 +325,25 @@ def main():
     parser.add_argument("--rounds", type=int, default=6, help="alternations for --against")
     parser.add_argument("--causal", action="store_true", help="only: causal vs full topology, n = 2048")
     parser.add_argument("--current", metavar="REV", help="with --against: time git REV instead of this checkout")
+    parser.add_argument("--floor", action="store_true", help="only: fused vs standard layer and % of peak, n = 512")
+    parser.add_argument("--threads", type=int, default=THREADS, help="threads of every timing (default 2)")
+    parser.add_argument("--tree", metavar="DIR", help="with --floor: the engine's code from DIR (a git archive)")
     args = parser.parse_args()
-    torch.set_num_threads(THREADS)
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    _set_threads(args.threads)
+    if args.floor:
+        if args.tree:  # an exported older tree: its graphs and inference, not this checkout's
+            sys.path.insert(0, os.path.abspath(args.tree))
+            import inference
+
+            if not inference.__file__.startswith(os.path.abspath(args.tree)):
+                raise SystemExit(f"--tree {args.tree}: inference was imported from {inference.__file__}")
+        results = {"tree": args.tree or "this checkout", **floor(args.rounds)}
+        out = "docs/benchmarks/mean_field_floor.json" if args.out == parser.get_default("out") else args.out
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+        return
     if args.causal:
         results = causal_vs_full(args.rounds)
         out = "docs/benchmarks/mean_field_causal.json" if args.out == parser.get_default("out") else args.out
