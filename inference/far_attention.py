@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from inference.message_assembly import write_product
+
 __all__ = ["far_attention", "flash_available", "MASKED", "SINK", "ABSENT"]
 
 # finite "minus infinity" inside fused kernels: exp() of it is exactly 0, and it stays far
@@ -76,8 +78,7 @@ def _augmented(q, k, v, key_bias, scale: float, shift: int, side: str):
     key-bias column, values with a zero column; keys and values with the ``shift`` sinks."""
     B, n, C, r = q.shape
     queries = q.new_empty(B, n, C, r + 1)
-    queries[..., :r] = q
-    queries[..., :r] *= scale  # the scale on q: any finite scale, 0 included
+    write_product(queries[..., :r], q, q.new_full((), scale))  # the scale on q: any finite scale, 0 included
     queries[..., r] = 1
     keys, values = q.new_empty(B, n + shift, C, r + 1), q.new_empty(B, n + shift, C, r + 1)
     tokens, sinks = (slice(shift, None), slice(0, shift)) if side == "left" else (slice(0, n), slice(n, None))

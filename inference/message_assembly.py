@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Part", "assemble"]
+__all__ = ["Part", "assemble", "write_product"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,18 @@ def _rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return t[:, start : start + length]
 
 
+def write_product(target: torch.Tensor, value: torch.Tensor, factor: torch.Tensor | None = None) -> None:
+    """``target = value * factor`` (or ``value``) in place, in one pass where it can: torch.compile
+    refuses ``out=`` into a strided view, so a compiled graph copies, then multiplies."""
+    if factor is None:
+        target.copy_(value)
+    elif torch.compiler.is_compiling():
+        target.copy_(value)
+        target.mul_(factor)
+    else:
+        torch.mul(value, factor, out=target)
+
+
 class _Assemble(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, slots, rows, *tensors):
@@ -52,9 +64,7 @@ class _Assemble(torch.autograd.Function):
             covered.add(slot)
             out[:, :row, slot] = 0
             out[:, row + length :, slot] = 0
-            target.copy_(value)
-            if weight >= 0:
-                target.mul_(_rows(tensors[weight], weight_row, length))
+            write_product(target, value, None if weight < 0 else _rows(tensors[weight], weight_row, length))
         for slot in set(range(slots)) - covered:
             out[:, :, slot] = 0
         ctx.spec = spec
@@ -72,10 +82,7 @@ class _Assemble(torch.autograd.Function):
                 total = torch.empty_like(tensors[index], memory_format=torch.contiguous_format)
                 total[:, :start] = 0
                 total[:, start + value.shape[1] :] = 0
-                target = _rows(total, start, value.shape[1])
-                target.copy_(value)
-                if factor is not None:
-                    target.mul_(factor)
+                write_product(_rows(total, start, value.shape[1]), value, factor)
                 grads[index] = total
             else:
                 target = _rows(grads[index], start, value.shape[1])
