@@ -184,8 +184,10 @@ class _BlockedFlash(torch.autograd.Function):
         out_and_g[..., :r] = out[..., :r]
         out_and_g[..., r] = 0 if grad_lse is None else -grad_lse.transpose(1, 2).to(out.dtype)
         grad_queries = torch.empty_like(queries)  # the blocks' rows tile [0, n) exactly once
-        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
-        for rows, cols, mask in ctx.blocks:
+        grad_keys, grad_values = torch.empty_like(keys), torch.empty_like(values)
+        # the block with the most keys first: its gradients are written, not added to zeros
+        blocks = sorted(ctx.blocks, key=lambda block: block[1].start - block[1].stop)
+        for index, (rows, cols, mask) in enumerate(blocks):
             gq, gk, gv = _flash_backward(
                 _heads(d_out[:, rows]),
                 _heads(queries[:, rows]),
@@ -199,8 +201,14 @@ class _BlockedFlash(torch.autograd.Function):
                 scale=1.0,
             )
             grad_queries[:, rows] = _heads(gq)
-            grad_keys[:, cols] += _heads(gk)
-            grad_values[:, cols] += _heads(gv)
+            if index:
+                grad_keys[:, cols] += _heads(gk)
+                grad_values[:, cols] += _heads(gv)
+                continue
+            for total, part in ((grad_keys, gk), (grad_values, gv)):
+                total[:, : cols.start] = 0
+                total[:, cols.stop :] = 0
+                total[:, cols] = _heads(part)
         n = queries.shape[1]
         tokens = slice(ctx.shift, None) if ctx.side == "left" else slice(0, n)
         grad_q = grad_queries[..., :r] * ctx.scale
