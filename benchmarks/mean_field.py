@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/mean_field.py [--quick] [--out docs/benchmarks/mean_field.json]
     .venv/bin/python benchmarks/mean_field.py --against REV [--rounds 6]
-    .venv/bin/python benchmarks/mean_field.py --causal [--rounds 6]
+    .venv/bin/python benchmarks/mean_field.py --causal [--rounds 6] [--threads 1] [--tree DIR]
     .venv/bin/python benchmarks/mean_field.py --floor [--rounds 3] [--threads 1] [--tree DIR]
 
 Measures, on this machine, with torch.set_num_threads(2):
@@ -327,25 +327,25 @@ def main():
     parser.add_argument("--current", metavar="REV", help="with --against: time git REV instead of this checkout")
     parser.add_argument("--floor", action="store_true", help="only: fused vs standard layer and % of peak, n = 512")
     parser.add_argument("--threads", type=int, default=THREADS, help="threads of every timing (default 2)")
-    parser.add_argument("--tree", metavar="DIR", help="with --floor: the engine's code from DIR (a git archive)")
+    parser.add_argument("--tree", metavar="DIR", help="--floor, --causal: the engine's code from DIR (a git archive)")
     args = parser.parse_args()
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     _set_threads(args.threads)
-    if args.floor:
-        if args.tree:  # an exported older tree: its graphs and inference, not this checkout's
-            sys.path.insert(0, os.path.abspath(args.tree))
-            import inference
+    if args.tree:  # an exported older tree: its graphs and inference, not this checkout's
+        sys.path.insert(0, os.path.abspath(args.tree))
+        import inference
 
-            if not inference.__file__.startswith(os.path.abspath(args.tree)):
-                raise SystemExit(f"--tree {args.tree}: inference was imported from {inference.__file__}")
+        if not inference.__file__.startswith(os.path.abspath(args.tree)):
+            raise SystemExit(f"--tree {args.tree}: inference was imported from {inference.__file__}")
+    if args.floor:
         results = {"tree": args.tree or "this checkout", **floor(args.rounds)}
         out = "docs/benchmarks/mean_field_floor.json" if args.out == parser.get_default("out") else args.out
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
         return
     if args.causal:
-        results = causal_vs_full(args.rounds)
+        results = {"tree": args.tree or "this checkout", **causal_vs_full(args.rounds)}
         out = "docs/benchmarks/mean_field_causal.json" if args.out == parser.get_default("out") else args.out
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
