@@ -169,6 +169,13 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
 
 
+def cell(ppl: float, best: bool) -> str:
+    """A perplexity beyond the unigram's by orders of magnitude (or not finite) is a divergence."""
+    if not math.isfinite(ppl) or ppl > 1e6:
+        return f"diverged ({ppl:.1e})"
+    return f"**{ppl:.1f}**" if best else f"{ppl:.1f}"
+
+
 def report(configs: list[str], path: Path = RESULTS) -> str:
     rows = load_results(path)
     lrs = sorted({r["lr"] for r in rows if r["config"] in configs and r["seed"] == 0})
@@ -190,7 +197,7 @@ def report(configs: list[str], path: Path = RESULTS) -> str:
         at_best = [r for r in rows if r["config"] == config and r["lr"] == best]
         ppl = [r["valid_perplexity"] for r in at_best]
         summary[config] = (best, ppl)
-        cells = [(f"**{by_lr[lr]:.1f}**" if lr == best else f"{by_lr[lr]:.1f}") if lr in by_lr else "—" for lr in lrs]
+        cells = [cell(by_lr[lr], lr == best) if lr in by_lr else "—" for lr in lrs]
         edge = " (edge)" if best in (min(by_lr), max(by_lr)) else ""
         speed = statistics.mean(r["tokens_per_second"] for r in rows if r["config"] == config)
         lines.append(
