@@ -230,9 +230,8 @@ class MeanField(nn.Module):
         return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
     def project(self, q_z, tables: GemmTables | None = None):
-        """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals;
-        the group axis has size 1 when one projection serves every group (the shared
-        ternary form: one GEMM, not K). ``tables``: ``gemm_tables()``, made once per forward."""
+        """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals (K = 1:
+        one serves every group, the shared form). ``tables``: ``gemm_tables()``, once per forward."""
         return project(q_z, tables or self.gemm_tables())
 
     def gemm_tables(self) -> GemmTables:
@@ -247,11 +246,10 @@ class MeanField(nn.Module):
         return self.crf.projection_tables()[2]
 
     def fused_compute_dtype(self, scale: float) -> torch.dtype | None:
-        """float64 when the parameters allow head scores the fused kernel cannot compute
-        accurately in float32, else None (``kernel_choice.fused_compute_dtype``)."""
+        """float64 where float32 would be inaccurate, else None (``kernel_choice``)."""
         return kernel_choice.fused_compute_dtype(self, scale)
 
-    def heads(self, query, key, value, value_rev, structure, kernel, previous=None):
+    def heads(self, query, key, value, value_rev, structure, kernel, previous=None):  # kernel_choice.heads
         return kernel_choice.heads(self, query, key, value, value_rev, structure, kernel, previous)
 
     def topic(self, q_z, mask):
@@ -293,13 +291,11 @@ class MeanField(nn.Module):
         the global message (None: no global variable)."""
         s = self.scales()
         logits = s["unary"] * unary
-        if messages is not None and messages.stacked is not None:  # both directions in one GEMM
-            logits = logits + back_project(messages.stacked, tables or self.gemm_tables())
-        elif messages is not None:  # per group, or (shared tables) summed over the groups
-            u, v, _ = self.crf.projection_tables()
-            head = torch.einsum("bnkcr,kcdr->bnd", messages.forward, u)
-            dependents = torch.einsum("bnkcr,kcdr->bnd", messages.reverse, v)
-            logits = logits + s["head"] * head + s["dependents"] * dependents
+        if messages is not None:  # both directions, every group (or the groups' sum) in one GEMM
+            stacked = messages.stacked
+            if stacked is None:  # the fused kernel writes them stacked; the others are stacked here
+                stacked = torch.stack([messages.forward, messages.reverse], 2)
+            logits = logits + back_project(stacked, tables or self.gemm_tables())
         if topic_message is not None:
             logits = logits + s["topic"] * topic_message
         return logits
