@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.far_attention import ABSENT, MASKED, far_attention, flash_available
-from inference.message_assembly import Part, assemble
+from inference.message_assembly import Part, assemble, band_scores
 
 __all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
 
@@ -107,6 +107,7 @@ class HeadMessages:
     query: torch.Tensor | None = None  # the projections the head marginals were computed from
     key: torch.Tensor | None = None
     stacked: torch.Tensor | None = None  # [B, N, 2, K, C, r]: forward and reverse in one tensor (fused)
+    groups: tuple[int, ...] | None = None  # the group of each projection slot (None: slot k is group k)
 
 
 def _groups(x: torch.Tensor) -> list[torch.Tensor]:
@@ -129,10 +130,12 @@ def group_bias(bias: torch.Tensor, structure: HeadStructure) -> torch.Tensor:
 # ---- naive ------------------------------------------------------------------------
 
 
-def naive_logits(query, key, scale, structure: HeadStructure, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, C, N, N]`` head logits, ``-inf`` on illegal arcs."""
+def naive_logits(query, key, scale, structure: HeadStructure, bias: torch.Tensor | None = None, groups=None):
+    """``[B, C, N, N]`` head logits, ``-inf`` on illegal arcs. ``groups``: the group each slot
+    of the projections holds (``HeadMessages.groups``; None: slot k is group k)."""
     logits = None
-    for k, (query_k, key_k) in enumerate(zip(_groups(query), _groups(key))):  # one pass if shared
+    slots = zip(_groups(query), _groups(key))
+    for k, (query_k, key_k) in zip(groups or range(query.shape[2]), slots):  # one pass if shared
         scores = scale * (query_k @ key_k.transpose(-1, -2))
         logits = scores if logits is None else torch.where(structure.groups == k, scores, logits)
     if bias is not None:
@@ -210,6 +213,28 @@ def _band_offsets(structure: HeadStructure) -> list[int]:
     return [o for o in range(-reach, reach + 1) if o and abs(o) < n and -left <= o <= right]
 
 
+def used_groups(structure: HeadStructure) -> tuple[int, ...]:
+    """The distance groups ``fused`` reads on this structure, in order: a topology without
+    arcs to one side (``causal``) or a short sentence needs only some; the others' projections
+    need not be computed (``MeanField`` then projects onto these alone)."""
+    shift = structure.reach + 1
+    used = {_group_of(offset, structure) for offset in _band_offsets(structure)}
+    if structure.n > shift:
+        sides = _far_masks(structure)
+        far = (("right", structure.gamma), ("left", 2 * structure.gamma + 1))
+        used |= {k for side, k in far if sides[side] is not False}
+    if structure.nodes.shape[1] > structure.n:
+        used.add(structure.virtual_group)
+    return tuple(sorted(used)) or (0,)  # no arc at all (n = 1): one group holds the zero messages
+
+
+def _group_of(offset: int, structure: HeadStructure) -> int:
+    """The group of token offset ``offset``: right, the bucket of the distance; left, after the
+    right ones."""
+    bucket = sum(abs(offset) >= cut for cut in structure.bucket_cuts)
+    return bucket if offset > 0 else structure.gamma + 1 + bucket
+
+
 def fused(
     query,
     key,
@@ -220,6 +245,7 @@ def fused(
     messages: bool = True,
     compute_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
+    groups: tuple[int, ...] | None = None,
 ) -> HeadMessages:
     """Half-precision inputs are computed in float32 and the results cast back: the reverse
     messages divide by row normalisers computed elsewhere (exp(score - lse of another row)),
@@ -231,7 +257,10 @@ def fused(
     asks for float64 when its parameters allow scores that large (see ``score_bound``).
 
     The messages come back as views of one token-major tensor ``stacked [B, N, 2, K, C, r]``
-    (forward, reverse), which the back-projection reads with one GEMM."""
+    (forward, reverse), which the back-projection reads with one GEMM.
+
+    ``groups``: the projections hold only these groups, in this order (at least
+    ``used_groups(structure)``), and so do the messages; None: all of them (or one shared)."""
     if structure.prior is not None:
         raise ValueError("the fused kernel has no head prior (adaptive span); use kernel='naive'")
     dtype = query.dtype
@@ -241,12 +270,13 @@ def fused(
     bias = None if bias is None else bias.to(wide)
     flash = fused_available(query.device)  # looked up here: tests patch it
     projections = [t.to(wide) for t in (query, key, value, value_rev)]
-    result = _fused(*projections, scale, structure, messages, bias, flash)
+    result = _fused(*projections, scale, structure, messages, bias, flash, groups)
     lse = result.lse.to(dtype)
     if result.stacked is None:
-        return HeadMessages(None, None, lse, query=query, key=key)
+        return HeadMessages(None, None, lse, query=query, key=key, groups=groups)
     stacked = result.stacked.to(dtype)
-    return HeadMessages(stacked[:, :, 0], stacked[:, :, 1], lse, query=query, key=key, stacked=stacked)
+    forward, reverse = stacked[:, :, 0], stacked[:, :, 1]
+    return HeadMessages(forward, reverse, lse, query=query, key=key, stacked=stacked, groups=groups)
 
 
 def _split_groups(tensors) -> list[list[torch.Tensor]]:
@@ -258,24 +288,22 @@ def _split_groups(tensors) -> list[list[torch.Tensor]]:
     return [split.setdefault(id(t), list(t.unbind(2))) for t in tensors]
 
 
-def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messages: bool, bias, flash) -> HeadMessages:
+def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messages: bool, bias, flash, groups):
     """Token-major throughout: projections ``[B, N, C, r]`` per group, row quantities
     (scores, normalisers) ``[B, n, C]``."""
     B, N, K, C, r = query.shape  # K = 1: shared by every group (one message slot for all)
     n, gamma, reach = structure.n, structure.gamma, structure.reach
-    cuts = structure.bucket_cuts
     m = N - n
     dtype = query.dtype
     arcs, nodes, has_head = structure.arcs, structure.nodes, structure.has_head
     token_nodes = nodes[:, :n, None]  # [B, n, 1]
     queries, keys, values, values_rev = _split_groups((query, key, value, value_rev))
 
-    def group_of(offset: int) -> int:  # right: the bucket of the distance; left: after the right ones
-        bucket = sum(abs(offset) >= cut for cut in cuts)
-        return bucket if offset > 0 else gamma + 1 + bucket
+    def group_of(offset: int) -> int:
+        return _group_of(offset, structure)
 
     def slot(k: int) -> int:  # where group k's projections and messages live
-        return 0 if K == 1 else k
+        return groups.index(k) if groups is not None else 0 if K == 1 else k
 
     def bias_of(k: int) -> torch.Tensor | float:  # [C]: group k's bias per channel
         return 0.0 if bias is None else bias[k]
@@ -286,7 +314,7 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
         k = group_of(offset)
         q_k, key_k = queries[slot(k)], keys[slot(k)]
         lo, hi = max(0, -offset), n - max(0, offset)
-        s = scale * (q_k[:, lo:hi] * key_k[:, lo + offset : hi + offset]).sum(-1) + bias_of(k)
+        s = scale * band_scores(q_k, key_k, offset, n) + bias_of(k)
         legal = arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)[..., None]  # [B, hi - lo, 1]
         band[offset] = F.pad(s.masked_fill(~legal, MASKED), (0, 0, lo, n - hi), value=MASKED)
 

@@ -85,14 +85,18 @@ def fused_compute_dtype(engine, scale: float) -> torch.dtype | None:
     return torch.float64 if abs(scale) * scores + bias > FUSED_FLOAT32_MAX_SCORE else None
 
 
-def heads(engine, query, key, value, value_rev, structure, kernel, previous=None):
+def heads(engine, query, key, value, value_rev, structure, kernel, previous=None, groups=None):
     """The head messages (``head_kernels.HeadMessages``) through ``kernel``; ``previous``:
-    the last iteration's (the naive kernel's damping and step size read it)."""
+    the last iteration's (the naive kernel's damping and step size read it); ``groups``: the
+    groups the projections hold (the fused kernel only: ``MeanField.gemm_tables``)."""
     scale = engine.scales()["attention"]
+    if groups is not None and kernel != "fused":
+        raise ValueError(f"only the fused kernel reads projections onto some groups, not {kernel!r}")
     if kernel in ("fused", "flex"):
         options = dict(compute_dtype=fused_compute_dtype(engine, scale), bias=engine.head_bias())
-        fast = head_kernels.fused if kernel == "fused" else flex_kernel.flex
-        return fast(query, key, value, value_rev, scale, structure, **options)
+        if kernel == "fused":
+            return head_kernels.fused(query, key, value, value_rev, scale, structure, **options, groups=groups)
+        return flex_kernel.flex(query, key, value, value_rev, scale, structure, **options)
     first = query.new_ones(()) if engine.initial_head_logits == "ones" else None  # the reference's cache
     return head_kernels.naive(
         query,

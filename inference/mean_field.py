@@ -234,10 +234,12 @@ class MeanField(nn.Module):
         one serves every group, the shared form). ``tables``: ``gemm_tables()``, once per forward."""
         return project(q_z, tables or self.gemm_tables())
 
-    def gemm_tables(self) -> GemmTables:
-        """The projection tables in the GEMMs' layouts, message weights included."""
+    def gemm_tables(self, structure: HeadStructure | None = None, kernel: str = "naive") -> GemmTables:
+        """The projection tables in the GEMMs' layouts, message weights included; for the fused
+        kernel on ``structure``, only the groups it reads (a causal topology reads half)."""
         u, v, _ = self.crf.projection_tables()
-        return GemmTables.of(u, v, self.scales())
+        groups = head_kernels.used_groups(structure) if kernel == "fused" and u.shape[0] > 1 else None
+        return GemmTables.of(u, v, self.scales(), None if groups == tuple(range(u.shape[0])) else groups)
 
     def head_bias(self) -> torch.Tensor | None:
         """``[K, C]`` the head-logit bias of each distance group and channel (the shared
@@ -249,8 +251,8 @@ class MeanField(nn.Module):
         """float64 where float32 would be inaccurate, else None (``kernel_choice``)."""
         return kernel_choice.fused_compute_dtype(self, scale)
 
-    def heads(self, query, key, value, value_rev, structure, kernel, previous=None):  # kernel_choice.heads
-        return kernel_choice.heads(self, query, key, value, value_rev, structure, kernel, previous)
+    def heads(self, query, key, value, value_rev, structure, kernel, previous=None, groups=None):
+        return kernel_choice.heads(self, query, key, value, value_rev, structure, kernel, previous, groups)
 
     def topic(self, q_z, mask):
         """Global-variable marginals ``[B, n, g]`` and their message to the labels ``[B, N, d]``.
@@ -335,7 +337,8 @@ class MeanField(nn.Module):
             if messages.probs is not None:
                 return messages.probs
             scale = self.scales()["attention"]
-            logits_h = head_kernels.naive_logits(messages.query, messages.key, scale, structure, self.head_bias())
+            bias = self.head_bias()
+            logits_h = head_kernels.naive_logits(messages.query, messages.key, scale, structure, bias, messages.groups)
             return head_kernels.softmax_with_null(logits_h, structure.has_head)[0]
 
         def trace():
@@ -374,7 +377,7 @@ class MeanField(nn.Module):
         lagged = None  # parallel: projections (and labels) of the previous iteration
         topic_late = None  # macaron: the second half-step's global message
         history, deltas, all_heads = [], [], []
-        tables = self.gemm_tables()  # once: every iteration's GEMMs read the same tables
+        tables = self.gemm_tables(structure, kernel)  # once: every iteration's GEMMs read the same tables
         act = ACT(structure.nodes, self.act_epsilon, unary.dtype) if self.halting == "act" else None
         use_exit = self.halting == "exit" and not self.training and confidence is not None
         exit_ = ConfidenceExit(structure.nodes, self.exit_threshold, unary.dtype) if use_exit else None
@@ -396,7 +399,7 @@ class MeanField(nn.Module):
                 else:  # zero projections and labels give uniform heads and globals at t = 0
                     source = lagged or (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(q_z))
                     lagged = (query, key, q_z)
-                heads = self.heads(source[0], source[1], key, query, structure, kernel, heads)
+                heads = self.heads(source[0], source[1], key, query, structure, kernel, heads, tables.groups)
                 topic_message = self.topic(source[2], mask)[1] if self.crf.global_labels else None
                 new = self.label_logits(unary, heads, topic_message, tables)
                 if terms is not None:
@@ -441,7 +444,7 @@ class MeanField(nn.Module):
         late = torch.zeros_like(topic_early) if topic_late is None else topic_late
         q_z = half_step(heads, 0.5 * (topic_early + late))
         query, key = self.project(q_z, tables)
-        heads = self.heads(query, key, key, query, structure, kernel, heads)
+        heads = self.heads(query, key, key, query, structure, kernel, heads, tables.groups)
         q_z = half_step(heads, 0.5 * (topic_early + late))
         topic_late = self.topic(q_z, mask)[1]
         new = self.label_logits(unary, heads, 0.5 * (topic_early + topic_late), tables) + factor_message

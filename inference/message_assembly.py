@@ -1,4 +1,5 @@
-"""The fused kernel's messages written straight into one token-major tensor.
+"""The fused kernel's row-wise parts without autograd's copies: the near diagonals' scores
+(``band_scores``), and the messages written straight into one token-major tensor.
 
 Every message of ``head_kernels.fused`` is a sum of parts ``weight[i] * source[i + shift]``
 over a range of rows (a band diagonal: the head probability times the value one offset
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Part", "assemble", "write_product"]
+__all__ = ["Part", "assemble", "band_scores", "write_product"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +118,37 @@ def assemble(parts: list[Part], slots: int, rows: int) -> torch.Tensor:
         (p.slot, p.row, p.length, position(p.source), p.source_row, position(p.weight), p.weight_row) for p in parts
     )
     return _Assemble.apply(spec, slots, rows, *tensors)
+
+
+class _BandScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, offset, rows):
+        lo, hi = max(0, -offset), rows - max(0, offset)
+        ctx.save_for_backward(q, k)
+        ctx.offset, ctx.rows = offset, rows
+        return (_rows(q, lo, hi - lo) * _rows(k, lo + offset, hi - lo)).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k = ctx.saved_tensors
+        offset, rows = ctx.offset, ctx.rows
+        lo, hi = max(0, -offset), rows - max(0, offset)
+        grads = []
+        for index, (other, start, other_start) in enumerate(((k, lo, lo + offset), (q, lo + offset, lo))):
+            if not ctx.needs_input_grad[index]:
+                grads.append(None)
+                continue
+            total = torch.empty_like(other, memory_format=torch.contiguous_format)
+            total[:, :start] = 0
+            total[:, start + hi - lo :] = 0
+            write_product(_rows(total, start, hi - lo), _rows(other, other_start, hi - lo), grad[..., None])
+            grads.append(total)
+        return grads[0], grads[1], None, None
+
+
+def band_scores(q: torch.Tensor, k: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
+    """``[B, hi - lo, C]``: ``q[:, i] . k[:, i + offset]`` for the rows ``lo <= i < hi`` of the
+    first ``rows`` where both exist (``q, k [B, N, C, r]``). The gradients come back full-size
+    with zero rows outside the diagonal, written once (autograd's slices zero-filled a
+    full-size gradient per slice, then copied into it)."""
+    return _BandScores.apply(q, k, offset, rows)

@@ -30,22 +30,26 @@ class GemmTables:
     query: torch.Tensor  # [d, K C r]
     key: torch.Tensor  # [d, K C r]
     back: torch.Tensor  # [2 K C r, d]: forward and reverse messages to label logits, weighted
-    groups: tuple[int, int, int]  # (K, C, r)
+    shape: tuple[int, int, int]  # (K, C, r) of the projections
+    groups: tuple[int, ...] | None = None  # the distance groups kept, in order (None: all)
 
     @classmethod
-    def of(cls, u: torch.Tensor, v: torch.Tensor, scales: dict) -> GemmTables:
+    def of(cls, u: torch.Tensor, v: torch.Tensor, scales: dict, groups: tuple[int, ...] | None = None) -> GemmTables:
         """From tables ``u, v [K, C, d, r]`` and the message weights ``scales["head"]`` and
-        ``scales["dependents"]``."""
+        ``scales["dependents"]``; ``groups``: project onto these groups only (the others'
+        GEMM columns are never computed)."""
+        if groups is not None:
+            u, v = u[list(groups)], v[list(groups)]
         query, key = _rows(u), _rows(v)
         back = torch.cat([scales["head"] * query.T, scales["dependents"] * key.T])
-        return cls(query, key, back, (u.shape[0], u.shape[1], u.shape[3]))
+        return cls(query, key, back, (u.shape[0], u.shape[1], u.shape[3]), groups)
 
 
 def project(q_z: torch.Tensor, tables: GemmTables) -> tuple[torch.Tensor, torch.Tensor]:
     """``(query, key)`` ``[B, N, K, C, r]``: one GEMM per table over all groups and channels.
     Two GEMMs, not one over ``[U | V]``: their gradients arrive separately, and one GEMM
     would first stack them (a copy of both)."""
-    shape = (*q_z.shape[:-1], *tables.groups)
+    shape = (*q_z.shape[:-1], *tables.shape)
     return (q_z @ tables.query).view(shape), (q_z @ tables.key).view(shape)
 
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphs
+import inference
 from inference import far_attention, head_kernels
 from inference.head_kernels import HeadStructure
 from inference.message_assembly import Part, assemble
@@ -185,3 +186,41 @@ def test_fused_equals_naive_over_several_query_blocks(topology):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
     stacked = head_kernels.fused(*projections, 0.8, structure).stacked
     assert stacked.shape == (2, N, 2, crf.num_groups, 2, 3) and stacked.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    "topology, expected",
+    [
+        ("full", tuple(range(8))),
+        ("causal", (4, 5, 6, 7)),
+        ("window(2)", (0, 1, 4, 5)),
+        ("causal | root()", (4, 5, 6, 7, 8)),
+    ],
+)
+def test_used_groups_are_the_groups_with_arcs(topology, expected):
+    """The groups ``fused`` reads are exactly those holding an arc of the topology (gamma = 3:
+    right groups 0-3, left 4-7, virtual 8), by the definition: the distance groups of the arcs."""
+    crf = graphs.CRF(vocab_size=5, labels=3, channels=1, rank=2, topology=topology, gamma=3)
+    structure = structure_of(crf, torch.ones(1, 20, dtype=torch.bool))
+    with_arcs = tuple(sorted(set(structure.groups[structure.arcs[0]].tolist())))
+    assert head_kernels.used_groups(structure) == with_arcs == expected
+
+
+@pytest.mark.parametrize("topology", ["causal", "window(2)", "chain()", "causal | root()"])
+def test_mean_field_projecting_only_the_used_groups_equals_naive(topology):
+    """MeanField with the fused kernel projects onto the groups with arcs alone: its label
+    marginals, head marginals and parameter gradients equal the naive kernel's (all groups)."""
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=11, labels=4, channels=2, rank=3, topology=topology, gamma=3).double()
+    tokens = torch.randint(0, 11, (2, 140))
+    mask = torch.ones(2, 140, dtype=torch.bool)
+    mask[1, 90:] = False
+    results = []
+    for kernel in ("fused", "naive"):
+        crf.zero_grad()
+        engine = inference.MeanField(crf, iterations=2, kernel=kernel)
+        posterior = engine(tokens, mask)
+        posterior.logits.square().sum().backward()
+        results.append([posterior.z, posterior.h, *(p.grad.clone() for p in crf.parameters() if p.grad is not None)])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
