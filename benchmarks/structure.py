@@ -303,6 +303,8 @@ def report(results: dict) -> str:
         prior = row["topology"].replace("|", "\\|") + (
             " + span (learned: " + ", ".join(f"{s:.1f}" for s in row["learned_spans"]) + ")"
             if "learned_spans" in row
+            else " + learned distance bias (shared form)"
+            if "shared" in name
             else ""
         )
         if "perplexity" in valid:
