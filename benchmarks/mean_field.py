@@ -325,7 +325,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=6, help="alternations for --against")
     parser.add_argument("--causal", action="store_true", help="only: causal vs full topology, n = 2048")
     parser.add_argument("--current", metavar="REV", help="with --against: time git REV instead of this checkout")
-    parser.add_argument("--floor", action="store_true", help="only: fused vs standard layer and % of peak, n = 512")
+    parser.add_argument("--floor", action="store_true", help="only: fused vs standard layer and %% of peak, n = 512")
     parser.add_argument("--threads", type=int, default=THREADS, help="threads of every timing (default 2)")
     parser.add_argument("--tree", metavar="DIR", help="--floor, --causal: the engine's code from DIR (a git archive)")
     args = parser.parse_args()
