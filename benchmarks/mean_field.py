@@ -272,7 +272,8 @@ def causal_vs_full(rounds: int, n: int = 2048, B: int = 1, d: int = 256, C: int 
             start = time.perf_counter()
             engine(tokens).logits.square().mean().backward()
             best[topology] = min(best[topology], time.perf_counter() - start)
-    result = {"n": n, "B": B, "d": d, "C": C, "r": r, **best, "ratio": best["causal"] / best["full"]}
+    result = {"threads": THREADS, "rounds": rounds, "n": n, "B": B, "d": d, "C": C, "r": r, **best}
+    result["ratio"] = best["causal"] / best["full"]
     print(
         f"fused, n = {n}, B = {B}: full {best['full']:.3f} s, causal {best['causal']:.3f} s, "
         f"causal / full {result['ratio']:.3f}"
