@@ -359,3 +359,45 @@ def test_exact_refuses_bad_arguments_clearly():
     for bad in ("x", 2.5, True, 0):
         with pytest.raises(ValueError, match="max_configurations must be >= 1"):
             inference.Exact(crf, max_configurations=bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 9),
+    scale=st.sampled_from([1.0, 30.0, 1e3]),
+    illegal=st.floats(0.0, 0.9),
+    outputs=st.sampled_from(["both", "probs", "lse"]),
+)
+def test_softmax_with_null_equals_a_softmax_over_an_explicit_null_column(seed, n, scale, illegal, outputs):
+    """The kernel's row softmax (the null logit 0 never materialised, a hand-written backward)
+    against the definition: a softmax and logsumexp over the logits with a null column
+    appended (0 where the row has no head, -inf where it has), values and gradients, float64."""
+    generator = torch.Generator().manual_seed(seed)
+    B, C = 2, 3
+    logits = scale * torch.randn(B, C, n, n, generator=generator, dtype=torch.float64)
+    legal = torch.rand(B, 1, n, n, generator=generator) >= illegal
+    has_head = legal[:, 0].any(-1)
+    logits = logits.masked_fill(~legal, -math.inf)
+    weights = torch.randn(B, C, n, n, generator=generator, dtype=torch.float64)
+    weights_lse = torch.randn(B, C, n, generator=generator, dtype=torch.float64)
+
+    def loss(probs, lse):
+        total = (probs * weights).sum() if outputs != "lse" else 0.0
+        return total + ((lse * weights_lse).sum() if outputs != "probs" else 0.0)
+
+    mine = logits.clone().requires_grad_()
+    probs, lse = head_kernels.softmax_with_null(mine, has_head)
+    loss(probs, lse).backward()
+
+    truth = logits.clone().requires_grad_()
+    null = torch.where(has_head, -math.inf, 0.0).to(truth.dtype)[:, None, :, None].expand(B, C, n, 1)
+    extended = torch.cat([truth, null], -1)
+    true_probs, true_lse = extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
+    loss(true_probs, true_lse).backward()
+
+    torch.testing.assert_close(probs, true_probs, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(lse, true_lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mine.grad, truth.grad, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():  # the no-grad path is the same forward
+        torch.testing.assert_close(head_kernels.softmax_with_null(logits, has_head)[0], true_probs, rtol=1e-12, atol=1e-14)

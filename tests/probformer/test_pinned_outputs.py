@@ -4,7 +4,8 @@ tests/data/pt_outputs_bf4904d.safetensors was written by the code of commit bf49
 commit before factor templates (graphs.factors, CRF(factors=...), the declared Pyro model,
 engines compiling templates): three float64 PTs' weights, one padded batch, and their task
 logits and label marginals. Today's code, given the same configs and weights, must give the
-same numbers (it gave them bit for bit when this file was written). The configs cover both
+same numbers to float64 round-off (bit for bit when this file was written; since the kernels'
+rewrites of issue 19 reorder sums and products, within a relative 1e-13). The configs cover both
 kernels, async and parallel schedules, μP, a virtual ROOT node, a global variable and
 window / causal topologies.
 """
@@ -42,5 +43,5 @@ def test_the_pt_gives_the_outputs_it_gave_before_factor_templates(name):
     model.load_state_dict(weights, strict=True)
     with torch.no_grad():
         logits, posterior = model(pinned["tokens"], pinned["mask"])
-    torch.testing.assert_close(logits, pinned[f"{name}/logits"], rtol=0, atol=1e-12)
-    torch.testing.assert_close(posterior.z, pinned[f"{name}/z"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(logits, pinned[f"{name}/logits"], rtol=1e-13, atol=1e-12)
+    torch.testing.assert_close(posterior.z, pinned[f"{name}/z"], rtol=1e-13, atol=1e-12)
