@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from inference.far_attention import ABSENT, MASKED, far_attention, flash_available
 from inference.message_assembly import Part, assemble, band_scores
+from inference.null_softmax import probs_and_messages, softmax_with_null
 
 __all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
 
@@ -150,54 +151,6 @@ def naive_logits(query, key, scale, structure: HeadStructure, bias: torch.Tensor
     return logits.add_(torch.where(structure.arcs, 0.0, -math.inf).to(logits.dtype)[:, None])
 
 
-class _SoftmaxWithNull(torch.autograd.Function):
-    """The row softmax with its null column, on a backward written out: probabilities p and
-    log-normaliser l of logits x have dx = p * (dp - sum(dp * p) + dl), two passes over
-    ``[B, C, N, N]`` (autograd through the forward's max, exp, sum and division took five)."""
-
-    @staticmethod
-    def forward(logits, no_head):
-        return _softmax_with_null(logits, no_head)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output[0])
-
-    @staticmethod
-    def backward(ctx, grad_probs, grad_lse):
-        (probs,) = ctx.saved_tensors
-        if grad_probs is None:
-            return probs * grad_lse.unsqueeze(-1), None
-        # sum(dp * p) per row as a batched dot product (a GEMM, no [B, C, N, N] product: each
-        # fresh tensor of that size costs more in page faults than the arithmetic on it)
-        inner = torch.einsum("...j,...j->...", grad_probs, probs).unsqueeze(-1)
-        if grad_lse is not None:
-            inner = inner - grad_lse.unsqueeze(-1)
-        return torch.sub(grad_probs, inner).mul_(probs), None
-
-
-def _softmax_with_null(logits: torch.Tensor, no_head: torch.Tensor):
-    # the shift: the row maximum, counting the null logit 0 where there is one
-    shift = logits.amax(-1, keepdim=True)
-    shift = torch.where(no_head, shift.clamp_min(0.0), shift)
-    unnormalised = torch.sub(logits, shift).exp_()
-    total = unnormalised.sum(-1, keepdim=True) + torch.where(no_head, shift.neg().exp(), 0.0)
-    return unnormalised.div_(total), (shift + total.log()).squeeze(-1)
-
-
-def softmax_with_null(logits: torch.Tensor, has_head: torch.Tensor):
-    """Row softmax and log-normaliser with a null column of logit 0 on rows without heads.
-
-    One max, one exp, one sum and one division over ``[B, C, N, N]``, in place; the null
-    column is never materialised. (A concatenated ``[.., N + 1]`` tensor made the
-    probabilities a strided slice that the GEMMs after it copied, and ``logsumexp`` over it
-    took passes of its own: together ~40% of a shared-form iteration at n = 512.)"""
-    no_head = ~has_head[:, None, :, None]  # [B, 1, N, 1]
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _SoftmaxWithNull.apply(logits, no_head)
-    return _softmax_with_null(logits, no_head)
-
-
 def naive(
     query,
     key,
@@ -217,8 +170,19 @@ def naive(
     logits = naive_logits(query, key, scale, structure, bias)
     if damping and previous_logits is not None:
         logits = damping * previous_logits + (1 - damping) * logits
+    mixing = step_size != 1.0 and previous_probs is not None
+    if value.shape[2] == 1 and not mixing and not (dropout and training):
+        # one projection for every group: the softmax and both messages share one backward
+        (value_all,), (value_rev_all,) = _groups(value), _groups(value_rev)
+        # without head damping nothing reads the logits again: P is written over them
+        overwrite = not damping
+        probs, lse, forward, reverse = probs_and_messages(
+            logits, structure.has_head, value_all, value_rev_all, overwrite
+        )
+        kept = None if overwrite else logits
+        return HeadMessages(_unheads([forward]), _unheads([reverse]), lse, probs, kept, query, key)
     probs, lse = softmax_with_null(logits, structure.has_head)
-    if step_size != 1.0 and previous_probs is not None:
+    if mixing:
         probs = (1 - step_size) * previous_probs + step_size * probs
     kept = probs
     probs = F.dropout(probs, dropout, training) if dropout else probs

@@ -367,37 +367,58 @@ def test_exact_refuses_bad_arguments_clearly():
     n=st.integers(1, 9),
     scale=st.sampled_from([1.0, 30.0, 1e3]),
     illegal=st.floats(0.0, 0.9),
-    outputs=st.sampled_from(["both", "probs", "lse"]),
+    outputs=st.sets(st.sampled_from(["probs", "lse", "forward", "reverse"]), min_size=1),
 )
-def test_softmax_with_null_equals_a_softmax_over_an_explicit_null_column(seed, n, scale, illegal, outputs):
-    """The kernel's row softmax (the null logit 0 never materialised, a hand-written backward)
-    against the definition: a softmax and logsumexp over the logits with a null column
-    appended (0 where the row has no head, -inf where it has), values and gradients, float64."""
+def test_null_softmax_and_messages_equal_a_softmax_over_an_explicit_null_column(seed, n, scale, illegal, outputs):
+    """The naive kernel's head distribution (the null logit 0 never materialised, backward
+    passes written out) against the definition: a softmax and logsumexp over the logits with
+    a null column appended (0 where the row has no head, -inf where it has), and the
+    messages P V and P^T V_rev; values and gradients of any subset of the outputs, float64."""
+    from inference.null_softmax import probs_and_messages, softmax_with_null
+
     generator = torch.Generator().manual_seed(seed)
-    B, C = 2, 3
+    B, C, r = 2, 3, 4
     logits = scale * torch.randn(B, C, n, n, generator=generator, dtype=torch.float64)
     legal = torch.rand(B, 1, n, n, generator=generator) >= illegal
     has_head = legal[:, 0].any(-1)
     logits = logits.masked_fill(~legal, -math.inf)
-    weights = torch.randn(B, C, n, n, generator=generator, dtype=torch.float64)
-    weights_lse = torch.randn(B, C, n, generator=generator, dtype=torch.float64)
+    value, value_rev = torch.randn(2, B, C, n, r, generator=generator, dtype=torch.float64)
+    names = ["probs", "lse", "forward", "reverse"]
+    weights = [
+        torch.randn(shape, generator=generator, dtype=torch.float64)
+        for shape in [(B, C, n, n), (B, C, n), (B, C, n, r), (B, C, n, r)]
+    ]
 
-    def loss(probs, lse):
-        total = (probs * weights).sum() if outputs != "lse" else 0.0
-        return total + ((lse * weights_lse).sum() if outputs != "probs" else 0.0)
+    def loss(results):
+        return sum((result * weight).sum() for name, result, weight in zip(names, results, weights) if name in outputs)
 
-    mine = logits.clone().requires_grad_()
-    probs, lse = head_kernels.softmax_with_null(mine, has_head)
-    loss(probs, lse).backward()
+    def truth(logits, value, value_rev):
+        null = torch.where(has_head, -math.inf, 0.0).to(logits.dtype)[:, None, :, None].expand(B, C, n, 1)
+        extended = torch.cat([logits, null], -1)
+        probs = extended.softmax(-1)[..., :-1]
+        return probs, extended.logsumexp(-1), probs @ value, probs.transpose(-1, -2) @ value_rev
 
-    truth = logits.clone().requires_grad_()
-    null = torch.where(has_head, -math.inf, 0.0).to(truth.dtype)[:, None, :, None].expand(B, C, n, 1)
-    extended = torch.cat([truth, null], -1)
-    true_probs, true_lse = extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
-    loss(true_probs, true_lse).backward()
-
-    torch.testing.assert_close(probs, true_probs, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(lse, true_lse, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(mine.grad, truth.grad, rtol=1e-9, atol=1e-12)
-    with torch.no_grad():  # the no-grad path is the same forward
-        torch.testing.assert_close(head_kernels.softmax_with_null(logits, has_head)[0], true_probs, rtol=1e-12, atol=1e-14)
+    inputs = [t.clone().requires_grad_() for t in (logits, value, value_rev)]
+    expected = truth(*inputs)
+    loss(expected).backward()
+    for kernel in ("softmax", "messages", "messages over the logits"):
+        mine = [t.clone().requires_grad_() for t in (logits, value, value_rev)]
+        if kernel == "softmax":
+            probs, lse = softmax_with_null(mine[0], has_head)
+            results = (probs, lse, probs @ mine[1], probs.transpose(-1, -2) @ mine[2])
+        elif kernel == "messages":
+            results = probs_and_messages(mine[0], has_head, mine[1], mine[2])
+        else:  # P written over a non-leaf copy of the logits
+            results = probs_and_messages(mine[0] * 1.0, has_head, mine[1], mine[2], overwrite=True)
+        loss(results).backward()
+        for result, true in zip(results, expected):
+            torch.testing.assert_close(result, true, rtol=1e-12, atol=1e-13)
+        for tensor, true in zip(mine, inputs):
+            got = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+            torch.testing.assert_close(
+                got, true.grad if true.grad is not None else torch.zeros_like(got), rtol=1e-9, atol=1e-12
+            )
+        with torch.no_grad():  # the no-grad path is the same forward
+            again = probs_and_messages(logits, has_head, value, value_rev)
+        for result, true in zip(again, expected):
+            torch.testing.assert_close(result, true, rtol=1e-12, atol=1e-13)

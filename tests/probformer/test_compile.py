@@ -41,3 +41,40 @@ def test_every_kind_compiles_without_graph_breaks(name):
         expected, got = model(tokens, mask), compiled(tokens, mask)
     logits = lambda out: out[0] if isinstance(out, tuple) else getattr(out, "logits", out)  # noqa: E731
     torch.testing.assert_close(logits(got)[mask], logits(expected)[mask], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ternary_form", ["shared", "low_rank"])
+def test_the_naive_kernel_trains_compiled_without_graph_breaks(ternary_form):
+    """Training goes through the naive kernel's written-out backward passes
+    (``inference.null_softmax``): compiled with fullgraph=True, the loss and every gradient
+    equal eager's."""
+    torch.manual_seed(0)
+    config = PTConfig(
+        vocab_size=20,
+        labels=16,
+        channels=2,
+        rank=4,
+        iterations=3,
+        dropout=0.0,
+        kernel="naive",
+        ternary_form=ternary_form,
+    )
+    model = ProbabilisticTransformer(config).train()
+    tokens = torch.randint(0, 20, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 8:] = False
+
+    def loss_and_gradients(run):
+        model.zero_grad()
+        loss = run(tokens, mask)[0][mask].square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    expected, expected_grads = loss_and_gradients(model)
+    torch._dynamo.reset()
+    got, got_grads = loss_and_gradients(torch.compile(model, fullgraph=True))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert len(got_grads) == len(expected_grads) > 0
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
