@@ -222,9 +222,10 @@ class SMC:
         # normalisation is carried per filter ([B]), not applied to [B, N] every step
         log_weights = torch.zeros(B, N, device=device, dtype=dtype)
         log_n = math.log(N)
-        log_norm = log_n
-        # log Z = sum_t (top_t + log_total_t - log_norm_{t-1}), summed after the run
-        log_totals, log_norms = [], []
+        # log Z = sum_t (top_t + log_total_t - log_norm_{t-1}), with log_norm_{-1} = log N and
+        # log_norm_t = log N where step t resampled, else log_total_t: the logs and the choice
+        # taken after the run, for all steps at once (two operators per step fewer)
+        totals = []
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
         always = torch.ones(B, 1, device=device, dtype=torch.bool) if self.ess_threshold >= 1 else None
         ess_all = torch.empty(num_steps, B, device=device, dtype=dtype)
@@ -287,14 +288,12 @@ class SMC:
             else:
                 unnormalised = torch.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
             total = unnormalised.sum(-1, keepdim=True)
-            log_total = total.log()
-            log_totals.append(log_total)
-            log_norms.append(log_norm)
+            totals.append(total)
             weights, total_value = _value(unnormalised), _value(total)
             norm = torch.linalg.vector_norm(weights, dim=-1, keepdim=True)
             ess = torch.div(total_value, norm, out=ess_rows[t]).square_()
             if not resampling:
-                log_weights, log_norm = relative, log_total
+                log_weights = relative
                 continue
             resampled = always if always is not None else ess < threshold
             resampled_steps.append(resampled)
@@ -302,11 +301,13 @@ class SMC:
                 ancestors = resampler(weights, total_value, resampled, self.generator, out=ancestor_rows[t])
                 particles = gather(particles, ancestors)  # the identity rows gather themselves
             else:
-                particles = self._resample(particles, relative, log_total, weights, total, resampled, ancestor_rows[t])
-            # all 0 where resampled (relative is finite), else relative: applied next step
-            keep = resampled.logical_not().to(dtype)
+                particles = self._resample(
+                    particles, relative, total.log(), weights, total, resampled, ancestor_rows[t]
+                )
+            # all 0 where resampled (relative is finite), else relative: applied next step (the
+            # systematic resampler has it already)
+            keep = resampler.unchosen if resampler is not None else resampled.logical_not().to(dtype)
             log_weights = relative
-            log_norm = torch.where(resampled, log_n, log_total)
         if keep is not None:
             log_weights = log_weights * keep
         resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
@@ -318,12 +319,14 @@ class SMC:
             _raise_bad_weights(first_bad, never)
         # unvalidated: a filter whose weights went bad reports log-evidence NaN, never a number
         log_evidence = torch.zeros(B, device=device, dtype=dtype)
+        normaliser = log_n  # [B, 1] or a number: log_norm of the last step
         if num_steps:
-            log_evidence = row_maxima.sum(0) + torch.stack(log_totals).sum(0).squeeze(1) - log_n
-            if num_steps > 1:
-                log_evidence = log_evidence - torch.stack(log_norms[1:]).sum(0).squeeze(1)
+            log_totals = torch.stack(totals).log()  # [T, B, 1]
+            log_norms = torch.where(resampled_all[..., None], log_n, log_totals) if resampling else log_totals
+            normaliser = log_norms[-1]
+            log_evidence = row_maxima.sum(0) + log_totals.sum(0).squeeze(1) - log_n
+            log_evidence = log_evidence - log_norms[:-1].sum(0).squeeze(1)
         log_evidence = torch.where(first_bad.amin(0) < never, math.nan, log_evidence)
-        normaliser = log_norm  # [B, 1] or a number
         log_weights = torch.where(log_weights > lowest / 2, log_weights - normaliser, -math.inf)
         return SMCResult(
             log_evidence=log_evidence,
