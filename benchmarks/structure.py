@@ -74,9 +74,10 @@ def gold_offsets(trees) -> dict:
         "next_word": following / words,
         "adjacent_either_side": (previous + following) / words,
         # positional rules, no learning: every word's head is the next word, and the last
-        # word's (which has none) the previous word (ROOT in a one-word sentence), or ROOT. A window(k) topology without a
-        # root arc for the last word leaves it only leftward heads: the first rule is what such
-        # a model's "next word" channel scores, so it is the baseline a learned channel must beat
+        # word's (which has none) the previous word (ROOT in a one-word sentence), or ROOT. A
+        # window(k) topology without a root arc for the last word leaves it only leftward heads:
+        # the first rule is what such a model's "next word" channel scores, so it is the
+        # baseline a learned channel must beat
         "next_else_previous": (following + last_to_previous) / words,
         "next_else_root": (following + last_to_root) / words,
         "ceiling": ceiling,

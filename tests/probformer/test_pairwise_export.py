@@ -119,7 +119,8 @@ def test_the_torch_folder_refuses_a_user_factor_by_name(tmp_path):
 
 
 def test_save_pretrained_refuses_a_factor_the_config_does_not_declare(tmp_path):
-    with pytest.raises(ValueError, match=r"cannot save the factor\(s\) 'norepeat' \(NoRepeat\): they are not the config's"):
+    refused = r"cannot save the factor\(s\) 'norepeat' \(NoRepeat\): they are not the config's"
+    with pytest.raises(ValueError, match=refused):
         with_user_factor().save_pretrained(tmp_path / "tagger")
     assert not (tmp_path / "tagger").exists()
     chain_tagger().save_pretrained(tmp_path / "declared")  # the declared Pairwise is data: saved
