@@ -35,13 +35,20 @@ def _softmax(logits: torch.Tensor, no_head: torch.Tensor, overwrite: bool = Fals
     return unnormalised.div_(total), (shift + total.log()).squeeze(-1)
 
 
-def _logits_gradient_(grad_probs: torch.Tensor, probs: torch.Tensor, grad_lse: torch.Tensor | None):
-    """dx = P * (dP - sum_j(dP * P) + dl), in place into ``grad_probs`` (which the caller owns)."""
+def _logits_gradient(grad_probs, probs, grad_lse, into: torch.Tensor | None = None):
+    """dx = P * (dP - sum_j(dP * P) + dl), written into ``into`` if given (e.g. ``grad_probs``
+    itself, when the caller owns it), else into one new tensor."""
     # the row sums as batched dot products: no [B, C, N, N] product
     inner = torch.einsum("...j,...j->...", grad_probs, probs).unsqueeze(-1)
     if grad_lse is not None:
         inner = inner - grad_lse.unsqueeze(-1)
-    return grad_probs.sub_(inner).mul_(probs)
+    return torch.sub(grad_probs, inner, out=into).mul_(probs)
+
+
+def _probs_and_messages(logits, no_head, value, value_rev, overwrite: bool):
+    probs, lse = _softmax(logits, no_head, overwrite)
+    # (V_rev^T P)^T, not P^T V_rev: the same products, and P's gradient from it row-major
+    return probs, lse, probs @ value, (value_rev.mT @ probs).mT
 
 
 class _SoftmaxWithNull(torch.autograd.Function):
@@ -59,16 +66,13 @@ class _SoftmaxWithNull(torch.autograd.Function):
         (probs,) = ctx.saved_tensors
         if grad_probs is None:
             return probs * grad_lse.unsqueeze(-1), None
-        # autograd's gradient buffer is not ours to overwrite: one copy
-        return _logits_gradient_(grad_probs.clone(memory_format=torch.contiguous_format), probs, grad_lse), None
+        return _logits_gradient(grad_probs, probs, grad_lse), None  # autograd's buffer: not overwritten
 
 
 class _ProbsAndMessages(torch.autograd.Function):
     @staticmethod
     def forward(logits, no_head, value, value_rev, overwrite):
-        probs, lse = _softmax(logits, no_head, overwrite)
-        # (V_rev^T P)^T, not P^T V_rev: the same products, and P's gradient from it row-major
-        return probs, lse, probs @ value, (value_rev.mT @ probs).mT
+        return _probs_and_messages(logits, no_head, value, value_rev, overwrite)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -91,12 +95,14 @@ class _ProbsAndMessages(torch.autograd.Function):
             else:
                 flat = grad.view(B * C, N, N)
                 flat.baddbmm_(value_rev.reshape(B * C, N, -1), grad_reverse.reshape(B * C, N, -1).mT)
-        if grad_probs is not None:
-            grad = grad_probs.clone(memory_format=torch.contiguous_format) if grad is None else grad.add_(grad_probs)
-        if grad is None:
-            grad_logits = probs * grad_lse.unsqueeze(-1)
+        if grad is not None:
+            if grad_probs is not None:
+                grad.add_(grad_probs)
+            grad_logits = _logits_gradient(grad, probs, grad_lse, into=grad)
+        elif grad_probs is not None:  # autograd's buffer: not overwritten
+            grad_logits = _logits_gradient(grad_probs, probs, grad_lse)
         else:
-            grad_logits = _logits_gradient_(grad, probs, grad_lse)
+            grad_logits = probs * grad_lse.unsqueeze(-1)
         grad_value = probs.mT @ grad_forward if grad_forward is not None and ctx.needs_input_grad[2] else None
         grad_value_rev = probs @ grad_reverse if grad_reverse is not None and ctx.needs_input_grad[3] else None
         return grad_logits, None, grad_value, grad_value_rev, None
@@ -125,5 +131,4 @@ def probs_and_messages(logits, has_head, value, value_rev, overwrite: bool = Fal
     overwrite = overwrite and not torch.compiler.is_compiling()
     if _needs_graph(logits, value, value_rev):
         return _ProbsAndMessages.apply(logits, no_head, value, value_rev, overwrite)
-    probs, lse = _softmax(logits, no_head, overwrite)
-    return probs, lse, probs @ value, (value_rev.mT @ probs).mT
+    return _probs_and_messages(logits, no_head, value, value_rev, overwrite)
