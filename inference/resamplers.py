@@ -54,7 +54,6 @@ class SystematicResampler:
         # on CPUs (and an expanded one, or positions written into ``out``, make torch.compile's
         # graph of a filter disagree with eager)
         self.ones = torch.ones(B, N, device=device, dtype=torch.int32)
-        self.unchosen = None  # after a call with ``resampled``: 1.0 where a filter kept its particles
 
     def __call__(self, weights, total=None, resampled=None, generator=None, out=None) -> torch.Tensor:
         """Ancestors ``[B, N]`` (int64, written into ``out`` if given) for weights ``[B, N]``
@@ -72,9 +71,7 @@ class SystematicResampler:
             # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs (and
             # not addcmul either: with [B, 1] operands it is ~2x slower than the two passes)
             chosen = _column(resampled).to(weights.dtype)
-            # [B, 1]: 1 where the filter did not resample (the engine's weights restart elsewhere)
-            self.unchosen = torch.rsub(chosen, 1)
-            steps = torch.mul(weights, chosen * scale, out=self.steps).add_(self.unchosen)
+            steps = torch.mul(weights, chosen * scale, out=self.steps).add_(torch.rsub(chosen, 1))
         # the offset joins the first step: one cumulative sum gives N C_j / total + v
         steps.narrow(1, 0, 1).add_(offset)
         first = self.first.copy_(steps.cumsum_(-1).clamp_(max=N))  # positive: truncation is the floor

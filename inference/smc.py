@@ -304,9 +304,8 @@ class SMC:
                 particles = self._resample(
                     particles, relative, total.log(), weights, total, resampled, ancestor_rows[t]
                 )
-            # all 0 where resampled (relative is finite), else relative: applied next step (the
-            # systematic resampler has it already)
-            keep = resampler.unchosen if resampler is not None else resampled.logical_not().to(dtype)
+            # all 0 where resampled (relative is finite), else relative: applied next step
+            keep = resampled.logical_not().to(dtype)
             log_weights = relative
         if keep is not None:
             log_weights = log_weights * keep
