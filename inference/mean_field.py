@@ -45,6 +45,7 @@ from inference.factor_messages import FactorTerms
 from inference.halting import ACT, HALTING, HALTING_SOURCES, ConfidenceExit
 from inference.head_kernels import HeadStructure
 from inference.message_weights import MessageWeights, MupScales, labels_and_heads
+from inference.null_softmax import softmax_with_null
 from inference.posterior import Posterior
 from inference.projections import GemmTables, back_project, project
 
@@ -339,7 +340,7 @@ class MeanField(nn.Module):
             scale = self.scales()["attention"]
             bias = self.head_bias()
             logits_h = head_kernels.naive_logits(messages.query, messages.key, scale, structure, bias, messages.groups)
-            return head_kernels.softmax_with_null(logits_h, structure.has_head)[0]
+            return softmax_with_null(logits_h, structure.has_head)[0]
 
         def trace():
             heads = torch.stack([head_marginals(m) for m in extra["heads"]])
