@@ -45,6 +45,8 @@ MAX_PARTICLES_PER_STEP = 2**31  # B * N particles of one step
 MAX_STEPS = 2**31  # T: a loop in Python, one step at a time
 TEMPERATURES = (1e-6, 1e6)  # tau: scores / tau stays finite in float32 for scores up to ~1e32
 
+LOG2_E = 1.0 / math.log(2.0)
+
 
 @dataclass
 class SMCResult:
@@ -227,10 +229,12 @@ class SMC:
         # taken after the run, for all steps at once (two operators per step fewer)
         totals = []
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
-        always = torch.ones(B, 1, device=device, dtype=torch.bool) if self.ess_threshold >= 1 else None
+        always = torch.ones(B, 1, device=device, dtype=dtype) if self.ess_threshold >= 1 else None
         ess_all = torch.empty(num_steps, B, device=device, dtype=dtype)
-        # per step [B, 1] (fresh tensors: autograd saves them, and a write into a view of one [T, B]
-        # buffer would bump the version they were saved at); stacked after the run
+        # per step [B, 1], 1.0 where the filter resamples, else 0.0 (a number: the resampler and the
+        # next step's weights take it as a factor, with no conversion per step; fresh tensors:
+        # autograd saves them, and a write into a view of one [T, B] buffer would bump the version
+        # they were saved at); stacked after the run
         resampled_steps = []
         # written in place step by step (no stack of T tensors at the end); never resampling,
         # every step's ancestors are the identity: a view, no memory
@@ -281,12 +285,15 @@ class SMC:
                 resampler = SystematicResampler(B, N, device, dtype, steps=weights_buffer) if systematic else None
             top = torch.amax(_value(joint), -1, keepdim=True, out=maxima_rows[t])
             relative = joint.sub_(top).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
-            # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the ESS
+            # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the
+            # ESS; taken as 2 ** (x log2 e): on CPUs exp2 runs 3-4x faster than exp (float32: 9 us
+            # against 38 us for 64,000 numbers), the multiplication costs 3 us, and the rounding of
+            # x log2 e moves a weight by at most |x| eps relative (x >= flush)
             if in_place:
-                unnormalised = torch.clamp_min(relative, flush, out=weights_buffer).exp_()
+                unnormalised = torch.clamp_min(relative, flush, out=weights_buffer).mul_(LOG2_E).exp2_()
                 torch.threshold_(unnormalised, flushed, 0.0)
             else:
-                unnormalised = torch.threshold(relative.clamp_min(flush).exp(), flushed, 0.0)
+                unnormalised = torch.threshold(relative.clamp_min(flush).mul(LOG2_E).exp2(), flushed, 0.0)
             total = unnormalised.sum(-1, keepdim=True)
             totals.append(total)
             weights, total_value = _value(unnormalised), _value(total)
@@ -295,23 +302,24 @@ class SMC:
             if not resampling:
                 log_weights = relative
                 continue
-            resampled = always if always is not None else ess < threshold
-            resampled_steps.append(resampled)
+            if always is None:
+                chosen = torch.lt(ess, threshold, out=torch.empty(B, 1, device=device, dtype=dtype))
+            else:
+                chosen = always
+            resampled_steps.append(chosen)
             if resampler is not None:
-                ancestors = resampler(weights, total_value, resampled, self.generator, out=ancestor_rows[t])
+                ancestors = resampler(weights, total_value, chosen, self.generator, out=ancestor_rows[t])
                 particles = gather(particles, ancestors)  # the identity rows gather themselves
             else:
                 particles = self._resample(
-                    particles, relative, total.log(), weights, total, resampled, ancestor_rows[t]
+                    particles, relative, total.log(), weights, total, chosen.bool(), ancestor_rows[t]
                 )
             # all 0 where resampled (relative is finite), else relative: applied next step
-            keep = resampled.logical_not().to(dtype)
+            keep = torch.rsub(chosen, 1)
             log_weights = relative
-        if keep is not None:
-            log_weights = log_weights * keep
         resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
         if resampled_steps:
-            resampled_all = torch.stack(resampled_steps).squeeze(2)
+            resampled_all = torch.stack(resampled_steps).squeeze(2).bool()
         first_bad = _first_bad(row_maxima, lowest)
         never = num_steps
         if self.validate:
@@ -326,7 +334,14 @@ class SMC:
             log_evidence = row_maxima.sum(0) + log_totals.sum(0).squeeze(1) - log_n
             log_evidence = log_evidence - log_norms[:-1].sum(0).squeeze(1)
         log_evidence = torch.where(first_bad.amin(0) < never, math.nan, log_evidence)
-        log_weights = torch.where(log_weights > lowest / 2, log_weights - normaliser, -math.inf)
+        # the last step's keep applied and the log-normaliser ([B, 1] after a step that could
+        # resample) taken off in one pass (fresh: the result does not share the run's buffer);
+        # zero weight (the lowest number) becomes -inf
+        if keep is None:
+            log_weights = log_weights - normaliser
+        else:
+            log_weights = torch.addcmul(normaliser.neg(), log_weights, keep)
+        log_weights = torch.threshold_(log_weights, lowest / 2, -math.inf)
         return SMCResult(
             log_evidence=log_evidence,
             log_weights=log_weights,
