@@ -59,7 +59,8 @@ import torch.nn.functional as F
 
 from inference.far_attention import ABSENT, MASKED, far_attention, flash_available
 from inference.message_assembly import Part, assemble, band_scores
-from inference.null_softmax import probs_and_messages, softmax_with_null
+from inference.null_softmax import softmax_with_null
+from inference.shared_heads import shared_heads
 
 __all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
 
@@ -167,20 +168,25 @@ def naive(
     training: bool = False,
     bias: torch.Tensor | None = None,
 ) -> HeadMessages:
+    mixing = step_size != 1.0 and previous_probs is not None
+    # head damping reads the logits of the last iteration: kept on the plain path
+    shared = value.shape[2] == 1 and not (damping or mixing or (dropout and training))
+    # torch.compile traces the plain operators below (a Python loop of GEMMs into views of
+    # one output is not a graph it plans buffers for)
+    if shared and not torch.compiler.is_compiling():
+        # one projection for every group: one sentence at a time, P written once, no other
+        # [B, C, N, N] tensor forward or backward (inference.shared_heads)
+        additive = group_bias(bias, structure) if bias is not None else None
+        if structure.prior is not None:
+            additive = structure.prior if additive is None else additive + structure.prior
+        additive = None if additive is None else additive.to(query.dtype)
+        probs, lse, forward, reverse = shared_heads(
+            query.squeeze(2), key.squeeze(2), scale, additive, structure.arcs, value.squeeze(2), value_rev.squeeze(2)
+        )
+        return HeadMessages(forward.unsqueeze(2), reverse.unsqueeze(2), lse, probs, None, query, key)
     logits = naive_logits(query, key, scale, structure, bias)
     if damping and previous_logits is not None:
         logits = damping * previous_logits + (1 - damping) * logits
-    mixing = step_size != 1.0 and previous_probs is not None
-    if value.shape[2] == 1 and not mixing and not (dropout and training):
-        # one projection for every group: the softmax and both messages share one backward
-        (value_all,), (value_rev_all,) = _groups(value), _groups(value_rev)
-        # without head damping nothing reads the logits again: P is written over them
-        overwrite = not damping
-        probs, lse, forward, reverse = probs_and_messages(
-            logits, structure.has_head, value_all, value_rev_all, overwrite
-        )
-        kept = None if overwrite else logits
-        return HeadMessages(_unheads([forward]), _unheads([reverse]), lse, probs, kept, query, key)
     probs, lse = softmax_with_null(logits, structure.has_head)
     if mixing:
         probs = (1 - step_size) * previous_probs + step_size * probs
