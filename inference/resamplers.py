@@ -43,9 +43,12 @@ class SystematicResampler:
         device=None,
         dtype: torch.dtype | None = None,
         steps: torch.Tensor | None = None,
+        row_sums: bool = False,
     ):
         """``steps``: a ``[B, N]`` buffer for the scaled weights, e.g. the caller's weights buffer
-        when it may be overwritten (a smaller working set); None: one of its own."""
+        when it may be overwritten (a smaller working set); None: one of its own.
+        ``row_sums``: every ``total`` passed is the floating-point sum of its row of weights
+        (as the filter computes it), not any other number."""
         B, N = batch, num_particles
         # the steps N w_j / total in units of 2**-shift, in float32 or float64 (half precision
         # overflows at 2**16); their cumulative sum in int64 fixed point: exact, and on CPUs ~2.5x
@@ -58,7 +61,13 @@ class SystematicResampler:
         self.steps = steps
         self.shift = 62 - (N + 1).bit_length()
         self.fixed = torch.empty(B, N, device=device, dtype=torch.long)
-        self.counts = torch.empty(B, N + 1, device=device, dtype=torch.int32)
+        # with row sums for totals, the cumulative weights round past N by at most ~N (N + 4) eps
+        # positions (the sum, the scale and the products each err by eps relative): less than
+        # one when that is < 1, which a histogram one wider than N + 1 takes in (no clamp, one
+        # pass fewer); otherwise (or any other totals) positions are clamped at N
+        eps = max(torch.finfo(self.steps.dtype).eps, torch.finfo(dtype or torch.get_default_dtype()).eps)
+        self.clamp = not row_sums or N * (N + 4) * eps >= 1
+        self.counts = torch.empty(B, N + 1 + (not self.clamp), device=device, dtype=torch.int32)
         # materialised: a scatter over an expanded source (stride 0) takes a ~1.5x slower path
         # on CPUs (and an expanded one, or positions written into ``out``, make torch.compile's
         # graph of a filter disagree with eager)
@@ -70,8 +79,9 @@ class SystematicResampler:
         ``resampled`` (``[B]`` or ``[B, 1]``, bool or 0/1 numbers) is False (0) get the identity."""
         B, N = weights.shape
         unit = float(2**self.shift)
-        # the positions are i + 1 - v, v ~ U[0, 1): first_j = floor(N C_j / total + v)
-        offset = torch.rand(B, 1, device=weights.device, dtype=torch.float64, generator=generator).mul_(unit)
+        # the positions are i + 1 - v, v ~ U[0, 1): first_j = floor(N C_j / total + v), v drawn
+        # in the units of the fixed point (v = offset / 2**shift)
+        offset = torch.randint(2**self.shift, (B, 1), device=weights.device, generator=generator)
         dtype = self.steps.dtype
         if resampled is None:
             scale = N * unit if total is None else torch.reciprocal(_column(total.detach()).to(dtype)).mul_(N * unit)
@@ -86,8 +96,10 @@ class SystematicResampler:
             steps = torch.mul(weights, scale, out=self.steps).add_(torch.rsub(chosen, unit, alpha=unit))
         fixed = self.fixed.copy_(steps)  # non-negative: truncation is the floor
         # the offset joins the first step: one cumulative sum gives N C_j / total + v
-        fixed.narrow(1, 0, 1).add_(offset.long())
-        first = fixed.cumsum_(-1).bitwise_right_shift_(self.shift).clamp_(max=N)
+        fixed.narrow(1, 0, 1).add_(offset)
+        first = fixed.cumsum_(-1).bitwise_right_shift_(self.shift)
+        if self.clamp:
+            first.clamp_(max=N)
         first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
         self.counts.zero_().scatter_add_(1, first, self.ones)
         positions = self.counts.narrow(1, 0, N).cumsum_(-1)

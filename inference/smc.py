@@ -261,7 +261,9 @@ class SMC:
             ancestor_rows = None
         systematic = self.relaxation is None and self.resample == "systematic" and resampling
         # the resampler scales the weights in place: they are not read after it
-        resampler = SystematicResampler(B, N, device, dtype, steps=weights_buffer) if systematic else None
+        resampler = (
+            SystematicResampler(B, N, device, dtype, steps=weights_buffer, row_sums=True) if systematic else None
+        )
         # [B, 1]: 0 where the last step resampled (its log-weights restart at 0), else 1; applied
         # with the next increment, in the same pass
         keep = None
@@ -282,7 +284,11 @@ class SMC:
                 maxima_rows, ess_rows = _columns(row_maxima), _columns(ess_all)
                 lowest, flush, flushed = _limits(dtype)
                 weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
-                resampler = SystematicResampler(B, N, device, dtype, steps=weights_buffer) if systematic else None
+                resampler = (
+                    SystematicResampler(B, N, device, dtype, steps=weights_buffer, row_sums=True)
+                    if systematic
+                    else None
+                )
             top = torch.amax(_value(joint), -1, keepdim=True, out=maxima_rows[t])
             relative = joint.sub_(top).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the

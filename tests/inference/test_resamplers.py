@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy import stats
 
-from inference.resamplers import systematic_ancestors
+from inference.resamplers import SystematicResampler, systematic_ancestors
 from inference.smc import RESAMPLERS, resample_indices
 
 # ---- resamplers ------------------------------------------------------------------
@@ -56,8 +56,10 @@ def test_systematic_fast_path_equals_a_binary_search(n, seed, power):
     w = torch.rand(3, n, generator=g, dtype=torch.float64) ** power
     w = w / w.sum(-1, keepdim=True)
     fast = resample_indices(w, "systematic", torch.Generator().manual_seed(seed))
-    # the resampler's positions are (i + 1 - v) / N with v its one U[0, 1) draw per filter
-    v = torch.rand(3, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    # the resampler's positions are (i + 1 - v) / N with v its one U[0, 1) draw per filter,
+    # drawn as an integer in units of 2**-shift (its fixed point)
+    unit = 2 ** SystematicResampler(3, n, dtype=torch.float64).shift
+    v = torch.randint(unit, (3, 1), generator=torch.Generator().manual_seed(seed)).double() / unit
     cumulative = w.cumsum(-1)
     cumulative[:, -1] = 1.0
     expected = torch.searchsorted(cumulative, ((torch.arange(n) + 1 - v) / n).contiguous()).clamp(max=n - 1)
@@ -85,6 +87,26 @@ def test_systematic_gives_floor_or_ceil_of_n_w_copies_and_sorted_ancestors(n, se
     copies = torch.nn.functional.one_hot(drawn, n).sum(1).double()
     expected = n * weights[resampled] / total[resampled, None]
     assert ((copies >= torch.floor(expected - 1e-9)) & (copies <= torch.ceil(expected + 1e-9))).all()
+
+
+@given(n=st.integers(1, 2000), seed=st.integers(0, 100_000), power=st.sampled_from([1, 8, 40]))
+def test_systematic_with_float32_row_sums_keeps_ancestors_in_range_and_counts_floor_or_ceil(n, seed, power):
+    """The filter's form: float32 weights whose totals are their own float32 row sums
+    (``row_sums=True``: no clamp of the positions below N where N (N + 4) eps < 1, i.e.
+    N <= 2,894, clamped above). Whatever the rounding of the sums, ancestors stay in [0, N),
+    sorted, and every particle gets floor or ceil of N w_j copies (up to float32 rounding of
+    N w_j)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = (torch.rand(6, n, generator=g) ** power).clamp_min(1e-30)
+    weights[:, -1] = 0.0 if n > 1 else 1.0  # a last particle of no weight: the sum's excess falls before it
+    total = weights.sum(-1, keepdim=True)
+    resampler = SystematicResampler(6, n, dtype=torch.float32, row_sums=True)
+    ancestors = resampler(weights.clone(), total, torch.ones(6, 1), g)
+    assert (ancestors >= 0).all() and (ancestors < n).all() and (ancestors.diff(dim=-1) >= 0).all()
+    copies = torch.nn.functional.one_hot(ancestors, n).sum(1).double()
+    expected = n * weights.double() / total.double()
+    slack = 1e-6 * n
+    assert ((copies >= torch.floor(expected - slack)) & (copies <= torch.ceil(expected + slack))).all()
 
 
 def test_systematic_offspring_counts_of_unnormalised_weights_have_expectation_n_w():
