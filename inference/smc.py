@@ -21,10 +21,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import pyro
 import torch
-from pyro import poutine
 
+from inference.pyro_state_space import state_space_callables
 from inference.resamplers import (
     RELAXATIONS,
     RESAMPLERS,
@@ -195,8 +194,17 @@ class SMC:
         object (data ``[T, ...]`` for one filter, ``[B, T, ...]`` for B filters), or
         ``filter(model, num_steps=T, batch_size=B, init_args=(...))`` for a model with no
         observations (``model.init(state, *init_args)``, ``model.step(state)``)."""
-        if hasattr(init, "init") and hasattr(init, "step"):
-            return self._filter_pyro(init, step, batch_size, num_steps, init_args)
+        if hasattr(init, "init") and hasattr(init, "step"):  # a Pyro model object, and its data
+            model, data = init, step
+            if data is None and num_steps is not None:
+                _check_count("num_steps", num_steps, 0, MAX_STEPS)
+            if data is not None and batch_size is not None:
+                self._check_batch(batch_size)  # before the data are broadcast to it
+            init, step, num_steps, batch_size = state_space_callables(
+                model, data, batch_size, num_steps, init_args, self.num_particles
+            )
+            self._check_batch(batch_size)
+            return self._run(init, step, num_steps, batch_size)
         if not callable(init) or not callable(step):
             raise TypeError("filter takes (init, step, num_steps) callables or (model, data) for a Pyro model")
         _check_count("num_steps", num_steps, 0, MAX_STEPS)
@@ -371,69 +379,3 @@ class SMC:
         mixing, hard_choice = relaxed_mixing(log_weights, self.relaxation, self.temperature, self.generator)
         torch.where(resampled, hard_choice, identity, out=ancestors_out)
         return select(resampled, mix(particles, mixing), particles)
-
-    # ---- Pyro state-space models ------------------------------------------------------
-
-    def _filter_pyro(self, model, data, batch_size, num_steps, init_args) -> SMCResult:
-        """Run a Pyro model object (``init(state, *init_args)``, ``step(state[, y])``; latent
-        sites drawn from their prior: the bootstrap proposal)."""
-        if data is None:
-            if num_steps is None or batch_size is None:
-                raise ValueError("without data, give num_steps and batch_size")
-            _check_count("num_steps", num_steps, 0, MAX_STEPS)
-            B, T, event_shape = batch_size, num_steps, ()
-        else:
-            if not isinstance(data, torch.Tensor) or data.dim() < 1:
-                raise ValueError("data must be a tensor of observations [T, ...] or [B, T, ...]")
-            if batch_size is None:
-                data = data[None]
-            elif data.shape[0] == 1 and batch_size > 1:  # one sequence [1, T, ...]: broadcast to every filter
-                data = data.expand(batch_size, *data.shape[1:])
-            elif data.shape[0] != batch_size:
-                raise ValueError(
-                    f"data must have shape [batch_size={batch_size}, T, ...] or [1, T, ...] (broadcast), "
-                    f"got {tuple(data.shape)}"
-                )
-            B, T = data.shape[:2]
-            event_shape = data.shape[2:]
-        self._check_batch(B)
-        N = self.num_particles
-        reference = data if data is not None else next((a for a in init_args if isinstance(a, torch.Tensor)), None)
-        dtype = reference.dtype if reference is not None else torch.get_default_dtype()
-        device = reference.device if reference is not None else None
-
-        def flatten(state):
-            for key, value in state.items():
-                if not isinstance(value, torch.Tensor):
-                    raise TypeError(f"model state[{key!r}] must be a tensor, got {type(value).__name__}")
-            return {k: v.reshape(B, N, *v.shape[1:]) for k, v in state.items()}
-
-        def unflatten(particles):
-            return {k: v.reshape(B * N, *v.shape[2:]) for k, v in particles.items()}
-
-        def run(fn, state, *args):
-            with poutine.trace() as tracer, pyro.plate("particles", B * N, dim=-1):
-                fn(state, *args)
-            trace = tracer.trace
-            trace.compute_log_prob()
-            increment = torch.zeros(B * N, dtype=dtype, device=device)
-            for site in trace.nodes.values():
-                if site["type"] == "sample" and site["is_observed"]:
-                    increment = increment + site["log_prob"].reshape(B * N, -1).sum(-1)
-            return increment.reshape(B, N)
-
-        def init(_):
-            state = {}
-            run(model.init, state, *init_args)
-            return flatten(state)
-
-        def step(t, particles):
-            state = unflatten(particles)
-            if data is None:
-                increment = run(model.step, state)
-            else:
-                y = data[:, t].repeat_interleave(N, 0).reshape(B * N, *event_shape)
-                increment = run(model.step, state, y)
-            return flatten(state), increment  # after the step has written the new state
-
-        return self._run(init, step, T, B)
