@@ -48,7 +48,7 @@ class SystematicResampler:
         """``steps``: a ``[B, N]`` buffer for the scaled weights, e.g. the caller's weights buffer
         when it may be overwritten (a smaller working set); None: one of its own.
         ``row_sums``: every ``total`` passed is the floating-point sum of its row of weights
-        (as the filter computes it), not any other number."""
+        and the largest weight of a row is 1 (the filter's weights): totals in [1, N]."""
         B, N = batch, num_particles
         # the steps N w_j / total in units of 2**-shift, in float32 or float64 (half precision
         # overflows at 2**16); their cumulative sum in int64 fixed point: exact, and on CPUs ~2.5x
@@ -66,6 +66,7 @@ class SystematicResampler:
         # one when that is < 1, which a histogram one wider than N + 1 takes in (no clamp, one
         # pass fewer); otherwise (or any other totals) positions are clamped at N
         eps = max(torch.finfo(self.steps.dtype).eps, torch.finfo(dtype or torch.get_default_dtype()).eps)
+        self.row_sums = row_sums
         self.clamp = not row_sums or N * (N + 4) * eps >= 1
         self.counts = torch.empty(B, N + 1 + (not self.clamp), device=device, dtype=torch.int32)
         # materialised: a scatter over an expanded source (stride 0) takes a ~1.5x slower path
@@ -83,17 +84,25 @@ class SystematicResampler:
         # in the units of the fixed point (v = offset / 2**shift)
         offset = torch.randint(2**self.shift, (B, 1), device=weights.device, generator=generator)
         dtype = self.steps.dtype
-        if resampled is None:
-            scale = N * unit if total is None else torch.reciprocal(_column(total.detach()).to(dtype)).mul_(N * unit)
-            steps = torch.mul(weights, scale, out=self.steps)
+        # a filter that does not resample gets steps 1 (cumulative j + 1, exact): first_j =
+        # floor(j + 1 + v) = j + 1, the identity. Arithmetic on the finite weights, not a
+        # torch.where over [B, N]: fewer and cheaper passes on CPUs (and not addcmul either:
+        # with [B, 1] operands it is ~2x slower than the two passes)
+        chosen = None if resampled is None else _column(resampled).to(dtype)
+        if self.row_sums and total is not None:
+            # totals in [1, N]: the scale N 2**shift / total is finite, one pass
+            total = _column(total.detach())
+            scale = torch.reciprocal(total) if chosen is None else torch.div(chosen, total)
+            steps = torch.mul(weights, scale.mul_(N * unit), out=self.steps)
         else:
-            # a filter that does not resample gets steps 1 (cumulative j + 1, exact):
-            # first_j = floor(j + 1 + v) = j + 1, the identity. Arithmetic on the finite
-            # weights, not a torch.where over [B, N]: fewer and cheaper passes on CPUs (and
-            # not addcmul either: with [B, 1] operands it is ~2x slower than the two passes)
-            chosen = _column(resampled).to(dtype)
-            scale = chosen.mul(N * unit) if total is None else torch.div(chosen, _column(total.detach())).mul_(N * unit)
-            steps = torch.mul(weights, scale, out=self.steps).add_(torch.rsub(chosen, unit, alpha=unit))
+            # any weights: normalised first (N 2**shift / total overflows float32 for totals
+            # below ~1e-20), in the steps' precision (float16 products overflow at 2**16); rows
+            # given as normalised are divided by their sums too (int64 overflows at sums ~2)
+            total = weights.sum(-1, keepdim=True) if total is None else _column(total.detach())
+            steps = torch.div(weights.to(dtype), total.to(dtype), out=self.steps)
+            steps.mul_(N * unit if chosen is None else chosen * (N * unit))
+        if chosen is not None:
+            steps.add_(torch.rsub(chosen, unit, alpha=unit))
         fixed = self.fixed.copy_(steps)  # non-negative: truncation is the floor
         # the offset joins the first step: one cumulative sum gives N C_j / total + v
         fixed.narrow(1, 0, 1).add_(offset)

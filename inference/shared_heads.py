@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["shared_heads"]
 
@@ -86,18 +87,21 @@ class _SharedHeads(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         query, key, scale, additive, _, value, value_rev = inputs
         ctx.scale = scale
-        ctx.has_additive = additive is not None
+        ctx.additive_dtype = None if additive is None else additive.dtype
         ctx.save_for_backward(query, key, value, value_rev, output[0])
         ctx.set_materialize_grads(False)  # an unused output's gradient is None, not zeros
 
     @staticmethod
+    @once_differentiable  # GEMMs into views of one output: no graph of the backward itself
     def backward(ctx, grad_probs, grad_lse, grad_forward, grad_reverse):
         query, key, value, value_rev, probs = ctx.saved_tensors
         B, N, C, _ = query.shape
         wants = ctx.needs_input_grad
         grad_query = torch.empty_like(query, memory_format=torch.contiguous_format) if wants[0] else None
         grad_key = torch.empty_like(key, memory_format=torch.contiguous_format) if wants[1] else None
-        grad_additive = probs.new_zeros(C, N, N) if ctx.has_additive and wants[3] else None
+        # summed over the sentences: in float32 at least (one rounding per sentence in bf16)
+        wide = torch.promote_types(probs.dtype, torch.float32)
+        grad_additive = probs.new_zeros(C, N, N, dtype=wide) if ctx.additive_dtype and wants[3] else None
         grad_value = torch.empty_like(value, memory_format=torch.contiguous_format) if wants[5] else None
         grad_value_rev = torch.empty_like(value_rev, memory_format=torch.contiguous_format) if wants[6] else None
         if grad_forward is None:
@@ -147,6 +151,8 @@ class _SharedHeads(torch.autograd.Function):
                     alpha=ctx.scale,
                     out=_channels(grad_key[b]),
                 )
+        if grad_additive is not None:
+            grad_additive = grad_additive.to(ctx.additive_dtype)
         return grad_query, grad_key, None, grad_additive, None, grad_value, grad_value_rev
 
 
@@ -154,7 +160,10 @@ def shared_heads(query, key, scale: float, additive, arcs, value, value_rev):
     """``(P [B, C, N, N], lse [B, C, N], P V [B, N, C, r], P^T V_rev [B, N, C, r])`` for
     token-major projections ``[B, N, C, r]``: the head logits ``scale q_i . k_j +
     additive[c, i, j]`` (``additive [C, N, N]`` or None) on the legal arcs ``arcs [B, N, N]``,
-    a null logit 0 on rows with none."""
+    a null logit 0 on rows with none. ``scale`` is a number (a constant: no gradient); the
+    backward is differentiable once (no double backward)."""
+    if isinstance(scale, torch.Tensor) or not isinstance(scale, int | float):
+        raise TypeError(f"scale must be a Python number (a constant of the kernel), got {type(scale).__name__}")
     inputs = (query, key, value, value_rev) + (() if additive is None else (additive,))
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _SharedHeads.apply(query, key, scale, additive, arcs, value, value_rev)

@@ -469,3 +469,18 @@ def test_shared_heads_equal_the_definition(seed, n, scale, illegal, additive, ou
         again = shared_heads(*projections[:2], scale, bias, arcs, *projections[2:])
     for result, true in zip(again, expected):
         torch.testing.assert_close(result, true, rtol=1e-10, atol=1e-12)
+
+
+def test_shared_heads_refuses_a_tensor_scale_and_a_second_derivative():
+    """The scale is a constant of the kernel (a tensor would silently get no gradient), and
+    the written-out backward is differentiable once: both refused by name."""
+    from inference.shared_heads import shared_heads
+
+    q, k, v, vr = (torch.randn(1, 3, 2, 2, dtype=torch.float64, requires_grad=True) for _ in range(4))
+    arcs = torch.ones(1, 3, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="scale must be a Python number"):
+        shared_heads(q, k, torch.tensor(0.5), None, arcs, v, vr)
+    lse = shared_heads(q, k, 0.5, None, arcs, v, vr)[1]
+    (grad,) = torch.autograd.grad(lse.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        torch.autograd.grad(grad.sum(), k)

@@ -109,6 +109,35 @@ def test_systematic_with_float32_row_sums_keeps_ancestors_in_range_and_counts_fl
     assert ((copies >= torch.floor(expected - slack)) & (copies <= torch.ceil(expected + slack))).all()
 
 
+@given(
+    n=st.integers(1, 50),
+    seed=st.integers(0, 100_000),
+    exponent=st.sampled_from([-35, -20, 0, 20, 35]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    given_total=st.booleans(),
+)
+def test_systematic_takes_any_row_total_and_half_precision(n, seed, exponent, dtype, given_total):
+    """Row totals far from 1 (float32 weights of 1e-35 to 1e35: a scale N 2**shift / total
+    would overflow) and half-precision weights (scaled in float32: float16 overflows at
+    2**16), with the totals given or not (then the rows are divided by their sums): valid,
+    sorted ancestors, floor or ceil of N w_j copies (up to the precision of the weights)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(4, n, generator=g) + 0.01
+    if dtype == torch.float32:
+        weights = weights * 10.0**exponent
+    weights = weights.to(dtype)
+    total = weights.float().sum(-1).to(dtype) if given_total else None
+    if not given_total:  # "normalised" rows, as well as their precision allows
+        weights = (weights.float() / weights.float().sum(-1, keepdim=True)).to(dtype)
+    ancestors = systematic_ancestors(weights, total, None, g)
+    assert (ancestors >= 0).all() and (ancestors < n).all() and (ancestors.diff(dim=-1) >= 0).all()
+    copies = torch.nn.functional.one_hot(ancestors, n).sum(1).double()
+    w = weights.double()
+    expected = n * w / (w.sum(-1, keepdim=True) if total is None else total.double()[:, None])
+    slack = n * (1e-2 if dtype != torch.float32 else 1e-5)
+    assert ((copies >= torch.floor(expected - slack)) & (copies <= torch.ceil(expected + slack))).all()
+
+
 def test_systematic_offspring_counts_of_unnormalised_weights_have_expectation_n_w():
     """Unbiasedness of the form the filter calls (unnormalised weights, a per-filter
     decision): over 4,000 draws the mean number of copies of particle j is N w_j within
