@@ -124,9 +124,10 @@ def naive(
     mixing = step_size != 1.0 and previous_probs is not None
     # head damping reads the logits of the last iteration: kept on the plain path
     shared = value.shape[2] == 1 and not (damping or mixing or (dropout and training))
-    # torch.compile traces the plain operators below (a Python loop of GEMMs into views of
-    # one output is not a graph it plans buffers for)
-    if shared and not torch.compiler.is_compiling():
+    # torch.compile and torch.export trace the plain operators below (a Python loop over the
+    # batch, of GEMMs into views of one output, is not a graph they plan buffers for, and a
+    # dynamic batch has no length to loop over)
+    if shared and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
         # one projection for every group: one sentence at a time, P written once, no other
         # [B, C, N, N] tensor forward or backward (inference.shared_heads)
         additive = group_bias(bias, structure) if bias is not None else None
