@@ -82,6 +82,15 @@ def group_bias(bias: torch.Tensor, structure: HeadStructure) -> torch.Tensor:
     return bias.T[:, structure.groups]
 
 
+def head_potential(structure: HeadStructure, bias: torch.Tensor | None, dtype: torch.dtype):
+    """``[C, N, N]`` or None: what the naive kernel adds to the scaled scores, the bias of
+    each arc's group and the adaptive span's log prior."""
+    potential = None if bias is None else group_bias(bias, structure)
+    if structure.prior is not None:
+        potential = structure.prior if potential is None else potential + structure.prior
+    return None if potential is None else potential.to(dtype)
+
+
 # ---- naive ------------------------------------------------------------------------
 
 
@@ -98,10 +107,9 @@ def naive_logits(query, key, scale, structure: HeadStructure, bias: torch.Tensor
     # in place on the fresh scores (their GEMM's backward does not read them), and the mask
     # added as 0 / -inf on [B, 1, N, N]: a masked_fill copied the [B, C, N, N] logits forward
     # and their gradient backward
-    if bias is not None:
-        logits = logits.add_(group_bias(bias, structure).to(logits.dtype))
-    if structure.prior is not None:
-        logits = logits.add_(structure.prior)
+    potential = head_potential(structure, bias, logits.dtype)
+    if potential is not None:
+        logits = logits.add_(potential)
     return logits.add_(torch.where(structure.arcs, 0.0, -math.inf).to(logits.dtype)[:, None])
 
 
@@ -130,12 +138,9 @@ def naive(
     if shared and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
         # one projection for every group: one sentence at a time, P written once, no other
         # [B, C, N, N] tensor forward or backward (inference.shared_heads)
-        additive = group_bias(bias, structure) if bias is not None else None
-        if structure.prior is not None:
-            additive = structure.prior if additive is None else additive + structure.prior
-        additive = None if additive is None else additive.to(query.dtype)
+        potential = head_potential(structure, bias, query.dtype)
         probs, lse, forward, reverse = shared_heads(
-            query.squeeze(2), key.squeeze(2), scale, additive, structure.arcs, value.squeeze(2), value_rev.squeeze(2)
+            query.squeeze(2), key.squeeze(2), scale, potential, structure.arcs, value.squeeze(2), value_rev.squeeze(2)
         )
         return HeadMessages(forward.unsqueeze(2), reverse.unsqueeze(2), lse, probs, None, query, key)
     logits = naive_logits(query, key, scale, structure, bias)

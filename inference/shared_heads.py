@@ -102,12 +102,10 @@ class _SharedHeads(torch.autograd.Function):
         # summed over the sentences: in float32 at least (one rounding per sentence in bf16)
         wide = torch.promote_types(probs.dtype, torch.float32)
         grad_additive = probs.new_zeros(C, N, N, dtype=wide) if ctx.additive_dtype and wants[3] else None
-        grad_value = torch.empty_like(value, memory_format=torch.contiguous_format) if wants[5] else None
-        grad_value_rev = torch.empty_like(value_rev, memory_format=torch.contiguous_format) if wants[6] else None
-        if grad_forward is None:
-            grad_value = None
-        if grad_reverse is None:
-            grad_value_rev = None
+        wants_value = wants[5] and grad_forward is not None  # V is read by the forward message only
+        wants_value_rev = wants[6] and grad_reverse is not None
+        grad_value = torch.empty_like(value, memory_format=torch.contiguous_format) if wants_value else None
+        grad_value_rev = torch.empty_like(value_rev, memory_format=torch.contiguous_format) if wants_value_rev else None
         grad = probs.new_empty(C, N, N)  # dP, then dS, of one sentence
         for b in range(B):
             p = probs[b]

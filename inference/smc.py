@@ -198,8 +198,6 @@ class SMC:
             model, data = init, step
             if data is None and num_steps is not None:
                 _check_count("num_steps", num_steps, 0, MAX_STEPS)
-            if data is not None and batch_size is not None:
-                self._check_batch(batch_size)  # before the data are broadcast to it
             init, step, num_steps, batch_size = state_space_callables(
                 model, data, batch_size, num_steps, init_args, self.num_particles
             )
@@ -254,9 +252,16 @@ class SMC:
         row_maxima = torch.empty(num_steps, B, device=device, dtype=dtype)
         lowest, flush, flushed = _limits(dtype)
         threshold = self.ess_threshold * N
-        # without autograd a step works in place on buffers of the run (the log-weights, the
-        # weights, the resampler's): nothing allocated, a working set that stays in cache
-        weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
+        systematic = self.relaxation is None and self.resample == "systematic" and resampling
+
+        def workspace(dtype):
+            """Without autograd a step works in place on buffers of the run (the log-weights, the
+            weights, the resampler's): nothing allocated, a working set that stays in cache. The
+            resampler scales the weights in place: they are not read after it."""
+            weights = torch.empty(B, N, device=device, dtype=dtype)
+            return weights, SystematicResampler(B, N, device, dtype, weights, row_sums=True) if systematic else None
+
+        weights_buffer, resampler = workspace(dtype)
         # one view per step, taken once (indexing in the loop costs a Python call per step);
         # per-filter values are columns [B, 1] in the loop: they broadcast against [B, N] with
         # no unsqueeze per use
@@ -267,11 +272,6 @@ class SMC:
             ancestor_rows = (torch.empty(B, N, device=device, dtype=torch.long),) * num_steps
         else:
             ancestor_rows = None
-        systematic = self.relaxation is None and self.resample == "systematic" and resampling
-        # the resampler scales the weights in place: they are not read after it
-        resampler = (
-            SystematicResampler(B, N, device, dtype, steps=weights_buffer, row_sums=True) if systematic else None
-        )
         # [B, 1]: 0 where the last step resampled (its log-weights restart at 0), else 1; applied
         # with the next increment, in the same pass
         keep = None
@@ -291,12 +291,7 @@ class SMC:
                 row_maxima, ess_all = row_maxima.to(dtype), ess_all.to(dtype)
                 maxima_rows, ess_rows = _columns(row_maxima), _columns(ess_all)
                 lowest, flush, flushed = _limits(dtype)
-                weights_buffer = torch.empty(B, N, device=device, dtype=dtype)
-                resampler = (
-                    SystematicResampler(B, N, device, dtype, steps=weights_buffer, row_sums=True)
-                    if systematic
-                    else None
-                )
+                weights_buffer, resampler = workspace(dtype)
             top = torch.amax(_value(joint), -1, keepdim=True, out=maxima_rows[t])
             relative = joint.sub_(top).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the
