@@ -379,14 +379,28 @@ def _assert_grads_close(mine, true, rtol, atol):
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+# random head-logit problems: sentences of n nodes, logits up to ~scale, a share of illegal arcs
+HEAD_PROBLEMS = dict(
     seed=st.integers(0, 2**16),
     n=st.integers(1, 9),
     scale=st.sampled_from([1.0, 30.0, 1e3]),
     illegal=st.floats(0.0, 0.9),
-    outputs=st.sets(st.sampled_from(["probs", "lse"]), min_size=1),
 )
+
+
+def _weighted_loss(results, names, weights, outputs):
+    """A random linear function of the outputs named in ``outputs`` (their gradients then test
+    every one of them alone and together)."""
+    return sum((x * w).sum() for name, x, w in zip(names, results, weights) if name in outputs)
+
+
+def _assert_outputs_close(results, expected, rtol, atol):
+    for result, true in zip(results, expected):
+        torch.testing.assert_close(result, true, rtol=rtol, atol=atol)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**HEAD_PROBLEMS, outputs=st.sets(st.sampled_from(["probs", "lse"]), min_size=1))
 def test_null_softmax_equals_a_softmax_over_an_explicit_null_column(seed, n, scale, illegal, outputs):
     """The naive kernel's head distribution (the null logit 0 never materialised, backward
     written out) against the definition; values and gradients of either output, float64."""
@@ -398,31 +412,22 @@ def test_null_softmax_equals_a_softmax_over_an_explicit_null_column(seed, n, sca
     legal = torch.rand(B, 1, n, n, generator=generator) >= illegal
     has_head = legal[:, 0].any(-1)
     logits = logits.masked_fill(~legal, -math.inf)
+    names = ["probs", "lse"]
     weights = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in [(B, C, n, n), (B, C, n)]]
-
-    def loss(results):
-        return sum((x * w).sum() for name, x, w in zip(["probs", "lse"], results, weights) if name in outputs)
-
     true_logits, mine = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     expected = _explicit_null_softmax(true_logits, has_head)
-    loss(expected).backward()
+    _weighted_loss(expected, names, weights, outputs).backward()
     results = softmax_with_null(mine, has_head)
-    loss(results).backward()
-    for result, true in zip(results, expected):
-        torch.testing.assert_close(result, true, rtol=1e-12, atol=1e-13)
+    _weighted_loss(results, names, weights, outputs).backward()
+    _assert_outputs_close(results, expected, rtol=1e-12, atol=1e-13)
     _assert_grads_close([mine], [true_logits], rtol=1e-9, atol=1e-12)
     with torch.no_grad():  # the no-grad path is the same forward
-        again = softmax_with_null(logits, has_head)
-    for result, true in zip(again, expected):
-        torch.testing.assert_close(result, true, rtol=1e-12, atol=1e-13)
+        _assert_outputs_close(softmax_with_null(logits, has_head), expected, rtol=1e-12, atol=1e-13)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    seed=st.integers(0, 2**16),
-    n=st.integers(1, 9),
-    scale=st.sampled_from([1.0, 30.0, 1e3]),
-    illegal=st.floats(0.0, 0.9),
+    **HEAD_PROBLEMS,
     additive=st.booleans(),
     outputs=st.sets(st.sampled_from(["probs", "lse", "forward", "reverse"]), min_size=1),
 )
@@ -443,9 +448,6 @@ def test_shared_heads_equal_the_definition(seed, n, scale, illegal, additive, ou
     shapes = [(B, C, n, n), (B, C, n), (B, n, C, r), (B, n, C, r)]
     weights = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
 
-    def loss(results):
-        return sum((x * w).sum() for name, x, w in zip(names, results, weights) if name in outputs)
-
     def truth(query, key, bias, value, value_rev):
         logits = scale * torch.einsum("bicr,bjcr->bcij", query, key)
         logits = logits if bias is None else logits + bias
@@ -458,17 +460,15 @@ def test_shared_heads_equal_the_definition(seed, n, scale, illegal, additive, ou
 
     true_inputs, mine = leaves(), leaves()
     expected = truth(*true_inputs)
-    loss(expected).backward()
+    _weighted_loss(expected, names, weights, outputs).backward()
     query, key, additive_bias, value, value_rev = mine
     results = shared_heads(query, key, scale, additive_bias, arcs, value, value_rev)
-    loss(results).backward()
-    for result, true in zip(results, expected):
-        torch.testing.assert_close(result, true, rtol=1e-10, atol=1e-12)
+    _weighted_loss(results, names, weights, outputs).backward()
+    _assert_outputs_close(results, expected, rtol=1e-10, atol=1e-12)
     _assert_grads_close(mine, true_inputs, rtol=1e-9, atol=1e-11)
     with torch.no_grad():  # the no-grad path is the same forward
         again = shared_heads(*projections[:2], scale, bias, arcs, *projections[2:])
-    for result, true in zip(again, expected):
-        torch.testing.assert_close(result, true, rtol=1e-10, atol=1e-12)
+    _assert_outputs_close(again, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_shared_heads_refuses_a_tensor_scale_and_a_second_derivative():
