@@ -57,6 +57,7 @@ _TRAIN_RANGES = {
     "steps": (0, 100_000_000),
     "eval_every": (0, 100_000_000),
     "eval_sentences": (0, 100_000_000),
+    "patience": (0, 100_000_000),
     "checkpoint_every": (0, 100_000_000),
     "log_every": (1, 100_000_000),
     "diagnostics_every": (0, 100_000_000),
@@ -121,6 +122,7 @@ class TrainConfig(ConfigMixin):
     bf16: bool = False  # bf16 autocast for the forward pass
     eval_every: int = 0  # steps between validations (0: only at the end)
     eval_sentences: int = 0  # validation sentences per periodic evaluation (0: all)
+    patience: int = 0  # stop after this many periodic validations without a new best loss (0: never)
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
     log_every: int = 10  # steps between metrics lines
     diagnostics_every: int = 100  # steps between per-layer ESS/diversity metrics (PT, Particle; 0: never)
@@ -132,6 +134,10 @@ class TrainConfig(ConfigMixin):
         _check_real_ranges(self, "train", _TRAIN_REALS)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"config key 'train.schedule' must be one of {list(SCHEDULES)}, got {self.schedule!r}")
+        if self.patience and not self.eval_every:
+            raise ValueError(
+                f"config key 'train.patience'={self.patience} needs periodic validation: set 'train.eval_every' > 0"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"config key 'train.device' must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -49,6 +49,7 @@ from probformer.training import checkpoint, checkpointing, crash_points, run_con
 from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
 from probformer.training.data import SubwordVocabulary
+from probformer.training.early_stopping import EarlyStopping
 from probformer.training.resume import check_same_encoding, resume_source, saved_fingerprint, text_fingerprint
 from probformer.training.run_config import RunConfig
 from probformer.training.run_log import Progress, RunLog
@@ -105,6 +106,7 @@ class Trainer:
         self.total_steps = config.train.steps or config.train.epochs * per_epoch
         self.step = self.epoch = self.batch_in_epoch = self.tokens_seen = 0
         self.elapsed = 0.0
+        self.early_stopping = EarlyStopping(config.train.patience)
         self.probe = self._probe_batch()
         self.log = RunLog(
             self.out / "metrics.jsonl", enabled=self.rank == 0, columns=self._columns(), tensorboard=self.rank == 0
@@ -192,6 +194,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "elapsed": self.elapsed,
             "tags": self.corpus.tags,
+            "early_stopping": self.early_stopping.state(),
             **self.log.state(),
         }
         return checkpointing.save_training_checkpoint(
@@ -208,7 +211,10 @@ class Trainer:
         counters = checkpointing.restore_training_checkpoint(self.resume_from, self.model, self.optimizer)
         for key in ("step", "epoch", "batch_in_epoch", "tokens_seen", "elapsed"):
             setattr(self, key, counters[key])
+        self.early_stopping.restore(counters.get("early_stopping", {}))
         self.log.restore(counters, self.step)  # drop what was logged after the checkpoint
+        if self.progress:
+            print(f"resuming from step {self.step} ({self.resume_from})", flush=True)
 
     # -- the loop --
 
@@ -311,7 +317,7 @@ class Trainer:
         started = time.perf_counter() - self.elapsed
         # tokens/s over each logging window, timing the training steps only (not validation or saves)
         window_tokens, window_seconds, speed = 0, 0.0, None
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self.early_stopping.stop:
             order = epoch_order(self.lengths, train.batch_size, train.seed, self.epoch)
             if self.batch_in_epoch >= len(order):
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
@@ -343,11 +349,27 @@ class Trainer:
                 self.log.write({"step": self.step, "split": "valid", **metrics})
                 progress.message(f"step {self.step}: validation {describe(metrics)}")
                 self.plot()
-            if self.rank == 0 and (
-                (train.checkpoint_every and self.step % train.checkpoint_every == 0) or self.step == self.total_steps
-            ):
+                self.early_stopping.update(metrics["loss"], self.step)
+            if train.patience and train.eval_every and self.step % train.eval_every == 0:
+                self._share_early_stop(progress)
+            last = self.step == self.total_steps or self.early_stopping.stop
+            if self.rank == 0 and ((train.checkpoint_every and self.step % train.checkpoint_every == 0) or last):
                 self.save()
         return self._finish() if self.rank == 0 else {}
+
+    def _share_early_stop(self, progress: Progress) -> None:
+        """Every process learns rank 0's early-stopping decision (only rank 0 validates)."""
+        if self.world > 1:
+            flag = torch.tensor([float(self.rank == 0 and self.early_stopping.stop)], device=self.device)
+            stop = bool(self._all_sum(flag).item())  # a validation step: the host waits for it anyway
+            if self.rank != 0:
+                self.early_stopping.since_best = self.early_stopping.patience if stop else 0
+        if self.early_stopping.stop:
+            best = self.early_stopping
+            progress.message(
+                f"step {self.step}: stopping early, {best.patience} validations without a new best "
+                f"(best loss {best.best_loss:.4f} at step {best.best_step})"
+            )
 
     def _finish(self) -> dict:
         """After the last step (whose checkpoint is written): the final validation line,
@@ -368,6 +390,10 @@ class Trainer:
             "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9),
             "windowed_sentences": dict(self.corpus.windowed),  # cut into max_length windows, per split
             "valid": final,
+            "stopped_early": self.early_stopping.stop,
+            "best_periodic_valid": {"loss": self.early_stopping.best_loss, "step": self.early_stopping.best_step}
+            if self.config.train.patience
+            else None,
         }
         checkpointing.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
         if self.progress:

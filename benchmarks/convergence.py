@@ -1,0 +1,195 @@
+"""Does PT's one-epoch lead survive to convergence? PT vs BERT vs UT (small size, PTB
+MLM), each at its tuned learning rate, trained until the validation loss has not improved
+for PATIENCE epochs (at most MAX_EPOCHS).
+
+    .venv/bin/python benchmarks/convergence.py                # run / resume the study
+    .venv/bin/python benchmarks/convergence.py --workers 2    # two runs side by side
+    .venv/bin/python benchmarks/convergence.py --report       # the table, the plot, the claim
+
+The recipe, stated in the table: the model's config (configs/<model>-small.toml) with
+its learning rate from the tuned sweep (docs/benchmarks/ptb_lr_sweep.json), linear
+warm-up over the config's warm-up steps, then linear decay to 0 at MAX_EPOCHS epochs;
+validation on the whole PTB validation set at the end of every epoch; early stopping
+(``train.patience``) after PATIENCE epochs without a new best validation loss; one torch
+thread per run.
+
+Resumable across sessions: each run lives in runs/convergence/<model>-small-s<seed>/ and
+continues from its last checkpoint through the trainer's exact resume (a kill changes no
+number). Runs advance in turns of --slice epochs, the run with the fewest epochs first,
+so a partial study has every curve at about the same length; a turn ends right after an
+epoch's checkpoint is written. The worker processes share one process group, whose id
+(negated, for ``kill -STOP``/``kill -CONT``) is in runs/convergence/worker.pid while they
+run. CPU seconds of every turn are added to the run's cpu_seconds.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODELS = ("pt", "bert", "ut")
+MAX_EPOCHS = 40
+PATIENCE = 3
+ROOT = Path("runs/convergence")
+SWEEP = Path("docs/benchmarks/ptb_lr_sweep.json")
+PLOT = Path("docs/benchmarks/convergence.png")
+RESULTS = Path("docs/benchmarks/convergence.json")
+
+
+def tuned_lr(config: str) -> float:
+    """The best learning rate of the tuned one-epoch sweep (seed 0) for ``config``."""
+    runs = [r for r in json.loads(SWEEP.read_text())["runs"] if r["config"] == config and r["seed"] == 0]
+    if not runs:
+        raise SystemExit(f"{SWEEP} has no seed-0 run of {config}: run benchmarks/lr_sweep.py first")
+    return min(runs, key=lambda r: r["valid_perplexity"])["lr"]
+
+
+def steps_per_epoch(config: str) -> int:
+    from probformer.training import run_config
+    from probformer.training.corpus import prepare_corpus
+
+    loaded = run_config.load(Path("configs") / f"{config}.toml")
+    return math.ceil(len(prepare_corpus(loaded.data).train) / loaded.train.batch_size)
+
+
+def overrides(config: str, seed: int, per_epoch: int) -> list[str]:
+    return [
+        f"train.lr={tuned_lr(config)}",
+        f"train.seed={seed}",
+        f"train.epochs={MAX_EPOCHS}",
+        f"train.eval_every={per_epoch}",
+        "train.eval_sentences=0",
+        f"train.patience={PATIENCE}",
+        f"train.checkpoint_every={per_epoch}",
+        "train.diagnostics_every=0",
+        "train.threads=1",
+    ]
+
+
+def command(config: str, seed: int, per_epoch: int, run: Path) -> list[str]:
+    sets = [part for assignment in overrides(config, seed, per_epoch) for part in ("--set", assignment)]
+    resume = ["--resume"] if (run / "checkpoints" / "latest").is_file() else []
+    train = [sys.executable, "-m", "probformer", "train", "--config", f"configs/{config}.toml"]
+    return [*train, *sets, "--out", str(run), *resume]
+
+
+def validations(run: Path) -> list[dict]:
+    """The periodic (end-of-epoch) validation lines of a run's metrics."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in lines if r["split"] == "valid" and not r.get("final")]
+
+
+def finished(run: Path) -> bool:
+    return (run / "summary.json").is_file()
+
+
+def epochs_done(run: Path) -> int:
+    return len(validations(run)) + finished(run)
+
+
+def add_cpu_seconds(run: Path, seconds: float) -> None:
+    path = run / "cpu_seconds.json"
+    total = json.loads(path.read_text())["cpu_seconds"] if path.is_file() else 0.0
+    path.write_text(json.dumps({"cpu_seconds": total + seconds}))
+
+
+class Turn:
+    """One worker process training one run until its next epoch checkpoint (or the end)."""
+
+    def __init__(self, config: str, seed: int, per_epoch: int, slice_epochs: int):
+        self.run = ROOT / f"{config}-s{seed}"
+        self.run.parent.mkdir(parents=True, exist_ok=True)
+        self.until = epochs_done(self.run) + slice_epochs
+        self.per_epoch = per_epoch
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        self.log = open(self.run.parent / f"{self.run.name}.log", "a")  # noqa: SIM115 (closed in wait)
+        self.process = subprocess.Popen(
+            command(config, seed, per_epoch, self.run), env=environment, stdout=self.log, stderr=subprocess.STDOUT
+        )
+        print(f"{self.run.name}: epochs {epochs_done(self.run)} -> {self.until} (pid {self.process.pid})", flush=True)
+
+    def at_epoch_checkpoint(self) -> bool:
+        pointer = self.run / "checkpoints" / "latest"
+        if not pointer.is_file():
+            return False
+        step = int(pointer.read_text().strip().removeprefix("step-") or 0)
+        return step >= self.until * self.per_epoch
+
+    def poll(self) -> bool:
+        """True when the turn is over (the process ended, or was stopped at its checkpoint)."""
+        pid, status, usage = os.wait4(self.process.pid, os.WNOHANG)
+        if pid == 0:  # still training
+            if not self.at_epoch_checkpoint():
+                return False
+            self.process.send_signal(signal.SIGKILL)  # its checkpoint is complete: nothing is lost
+            _, status, usage = os.wait4(self.process.pid, 0)
+        self.process.returncode = code = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        add_cpu_seconds(self.run, usage.ru_utime + usage.ru_stime)
+        self.log.close()
+        if code not in (0, -signal.SIGKILL):
+            raise SystemExit(f"{self.run.name} failed (exit code {code}); see {self.log.name}")
+        return True
+
+
+def study(seeds: int, workers: int, slice_epochs: int, models: list[str]) -> None:
+    configs = [f"{model}-small" for model in models]
+    per_epoch = steps_per_epoch(configs[0])  # the same data and batch size for all three
+    queue = [(config, seed) for seed in range(seeds) for config in configs]
+    ROOT.mkdir(parents=True, exist_ok=True)
+    (ROOT / "worker.pid").write_text(f"-{os.getpgrp()}\n")
+    running: list[Turn] = []
+    try:
+        while True:
+            busy = {turn.run for turn in running}
+            waiting = [(c, s) for c, s in queue if not finished(ROOT / f"{c}-s{s}") and ROOT / f"{c}-s{s}" not in busy]
+            while waiting and len(running) < workers:
+                config, seed = min(waiting, key=lambda cs: (epochs_done(ROOT / f"{cs[0]}-s{cs[1]}"), queue.index(cs)))
+                running.append(Turn(config, seed, per_epoch, slice_epochs))
+                waiting.remove((config, seed))
+            if not running:
+                break
+            time.sleep(5)
+            running = [turn for turn in running if not turn.poll()]
+    finally:
+        for turn in running:
+            turn.process.kill()
+        (ROOT / "worker.pid").unlink(missing_ok=True)
+    print("every run has finished", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=2, help="seeds per model (0, 1, ...)")
+    parser.add_argument("--workers", type=int, default=1, help="runs trained side by side (one thread each)")
+    parser.add_argument("--slice", type=int, default=1, help="epochs a run trains before yielding its worker")
+    parser.add_argument("--models", default=",".join(MODELS), help="subset of pt,bert,ut")
+    parser.add_argument("--report", action="store_true", help="write the plot and JSON, print the table")
+    args = parser.parse_args()
+    models = args.models.split(",")
+    if not models or any(m not in MODELS for m in models):
+        raise SystemExit(f"--models must be a comma-separated subset of {list(MODELS)}, got {args.models!r}")
+    for name in ("seeds", "workers", "slice"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.report:
+        from benchmarks.convergence_report import report
+
+        print(report([f"{m}-small" for m in models], args.seeds))
+        return
+    if os.getpgrp() != os.getpid():
+        os.setpgrp()  # one group: kill -STOP -<group> pauses the workers too
+    study(args.seeds, args.workers, args.slice, models)
+
+
+if __name__ == "__main__":
+    main()
