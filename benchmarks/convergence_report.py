@@ -1,0 +1,147 @@
+"""The convergence study's report, read from the run folders alone: the validation
+perplexity curves (a plot), per run the best perplexity and its epoch, tokens/s and CPU
+hours, the crossing point of PT's curve with each baseline's, and the claim the curves
+support so far (``.venv/bin/python benchmarks/convergence.py --report``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from benchmarks.convergence import MAX_EPOCHS, PATIENCE, PLOT, RESULTS, ROOT, finished, tuned_lr, validations
+
+COMMAND = (
+    ".venv/bin/python benchmarks/convergence.py --workers 2 && .venv/bin/python benchmarks/convergence.py --report"
+)
+
+
+def curve(run: Path) -> list[float]:
+    """Validation perplexity after each epoch (index 0: epoch 1)."""
+    return [r["perplexity"] for r in validations(run)]
+
+
+def tokens_per_second(run: Path) -> float | None:
+    """The median over the run's logging windows (robust to windows paused by other work)."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    speeds = [r["tokens_per_second"] for r in lines if r["split"] == "train" and "tokens_per_second" in r]
+    return statistics.median(speeds) if speeds else None
+
+
+def cpu_hours(run: Path) -> float:
+    path = run / "cpu_seconds.json"
+    return json.loads(path.read_text())["cpu_seconds"] / 3600 if path.is_file() else 0.0
+
+
+def summarise(config: str, seed: int) -> dict:
+    run = ROOT / f"{config}-s{seed}"
+    points = curve(run)
+    best = min(range(len(points)), key=points.__getitem__) if points else None
+    summary = json.loads((run / "summary.json").read_text()) if finished(run) else None
+    return {
+        "config": config,
+        "seed": seed,
+        "lr": tuned_lr(config),
+        "curve": points,
+        "epochs": len(points),
+        "best_perplexity": points[best] if points else None,
+        "best_epoch": best + 1 if points else None,
+        "status": ("stopped early" if summary["stopped_early"] else f"{MAX_EPOCHS} epochs")
+        if summary
+        else "in progress",
+        "tokens_per_second": tokens_per_second(run),
+        "cpu_hours": cpu_hours(run),
+    }
+
+
+def mean_curve(rows: list[dict], config: str) -> list[float]:
+    """The mean over seeds at each epoch every seed of ``config`` has reached."""
+    curves = [r["curve"] for r in rows if r["config"] == config and r["curve"]]
+    if not curves:
+        return []
+    return [statistics.mean(c[e] for c in curves) for e in range(min(len(c) for c in curves))]
+
+
+def crossing(pt: list[float], baseline: list[float]) -> str:
+    """Where PT's mean curve crosses the baseline's, or how the gap moves so far."""
+    common = min(len(pt), len(baseline))
+    if common == 0:
+        return "no common epoch yet"
+    gaps = [baseline[e] - pt[e] for e in range(common)]  # > 0: PT lower (better)
+    for epoch in range(1, common):
+        if (gaps[epoch] > 0) != (gaps[0] > 0):
+            return f"the curves cross between epochs {epoch} and {epoch + 1}"
+    text = f"no crossing in {common} common epoch(s); gap (baseline − PT) by epoch: " + ", ".join(
+        f"{g:+.1f}" for g in gaps
+    )
+    if common >= 3 and abs(gaps[-1]) < abs(gaps[-3]):
+        rate = (abs(gaps[-3]) - abs(gaps[-1])) / 2
+        text += f"; shrinking by {rate:.1f} per epoch over the last two, which would close it near epoch "
+        text += f"{common + math.ceil(abs(gaps[-1]) / rate)} if that rate held (an extrapolation, not a result)"
+    elif common >= 3:
+        text += "; not shrinking over the last two epochs"
+    return text
+
+
+def plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    colours = {"pt-small": "tab:blue", "bert-small": "tab:orange", "ut-small": "tab:green"}
+    for row in rows:
+        if row["curve"]:
+            epochs = range(1, len(row["curve"]) + 1)
+            style = "-" if row["seed"] == 0 else "--"
+            label = f"{row['config']} seed {row['seed']} (lr {row['lr']:g})"
+            axes.plot(epochs, row["curve"], style, marker="o", color=colours.get(row["config"]), label=label)
+    axes.set_yscale("log")
+    axes.set_xlabel("epoch")
+    axes.set_ylabel("validation masked-token perplexity")
+    axes.set_title("PTB MLM, small size, tuned learning rates")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(PLOT, dpi=120)
+    plt.close(figure)
+
+
+def report(configs: list[str], seeds: int) -> str:
+    rows = [summarise(config, seed) for config in configs for seed in range(seeds)]
+    plot(rows)
+    RESULTS.write_text(json.dumps({"command": COMMAND, "runs": rows}, indent=1))
+    lines = [
+        f"Recipe: each config at its tuned lr, linear warm-up (100 steps) then linear decay to 0 at "
+        f"{MAX_EPOCHS} epochs, full-validation perplexity after every epoch, early stopping after "
+        f"{PATIENCE} epochs without a new best validation loss, batch 32, one thread per run.",
+        "",
+        "| run | lr | epochs | status | best ppl (epoch) | last ppl | tokens/s (median) | CPU hours |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        best = f"{r['best_perplexity']:.1f} ({r['best_epoch']})" if r["curve"] else "—"
+        last = f"{r['curve'][-1]:.1f}" if r["curve"] else "—"
+        speed = f"{r['tokens_per_second']:,.0f}" if r["tokens_per_second"] else "—"
+        lines.append(
+            f"| {r['config']} s{r['seed']} | {r['lr']:g} | {r['epochs']} | {r['status']} | {best} | {last} | "
+            f"{speed} | {r['cpu_hours']:.2f} |"
+        )
+    lines += ["", f"Total CPU hours so far: {sum(r['cpu_hours'] for r in rows):.2f}.", ""]
+    pt = mean_curve(rows, "pt-small")
+    for baseline in [c for c in configs if c != "pt-small"]:
+        lines.append(f"- PT vs {baseline} (mean over seeds): {crossing(pt, mean_curve(rows, baseline))}.")
+    done = all(r["status"] != "in progress" for r in rows)
+    lines.append(
+        ""
+        if done
+        else "\nNot converged: every figure above is a curve so far, not a final result (no run has stopped)."
+        if not any(r["status"] != "in progress" for r in rows)
+        else "\nSome runs are still in progress: the comparison is partial."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""The convergence study's set-up and report logic (the runs themselves are a benchmark):
+its overrides make a valid run config with early stopping on every epoch, and the
+crossing point is found where the sign of the gap changes."""
+
+import pytest
+
+from benchmarks import convergence
+from benchmarks.convergence_report import crossing, mean_curve
+from probformer.training import run_config
+
+
+@pytest.mark.parametrize("config", ["pt-small", "bert-small", "ut-small"])
+def test_each_run_is_a_valid_config_with_early_stopping_every_epoch(config):
+    loaded = run_config.load(f"configs/{config}.toml", convergence.overrides(config, seed=1, per_epoch=1315))
+    train = loaded.train
+    assert (train.eval_every, train.checkpoint_every, train.patience) == (1315, 1315, convergence.PATIENCE)
+    assert train.epochs == convergence.MAX_EPOCHS and train.eval_sentences == 0 and train.threads == 1
+    assert train.lr == convergence.tuned_lr(config) and train.seed == 1
+
+
+def test_the_crossing_is_where_the_gap_changes_sign():
+    assert crossing([100.0, 90.0, 80.0], [200.0, 95.0, 70.0]) == "the curves cross between epochs 2 and 3"
+    text = crossing([100.0, 90.0, 80.0, 75.0], [200.0, 150.0, 110.0, 90.0])
+    assert text.startswith("no crossing in 4 common epoch(s)")
+    # gaps 100, 60, 30, 15: shrinking by (60 - 15) / 2 = 22.5 per epoch, closed in ceil(15 / 22.5) = 1 more
+    assert "shrinking by 22.5 per epoch" in text and "near epoch 5" in text
+    assert crossing([], [1.0]) == "no common epoch yet"
+
+
+def test_the_mean_curve_stops_at_the_shortest_seed():
+    rows = [
+        {"config": "pt-small", "curve": [10.0, 8.0, 7.0]},
+        {"config": "pt-small", "curve": [12.0, 6.0]},
+        {"config": "bert-small", "curve": [1.0]},
+    ]
+    assert mean_curve(rows, "pt-small") == [11.0, 7.0]
+    assert mean_curve(rows, "ut-small") == []
