@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["refuse_unless"]
+__all__ = ["refuse_unless", "refuse_non_finite", "refuse_non_finite_parameters"]
 
 
 def refuse_unless(condition: torch.Tensor, message: str, full_message: Callable[[], str] | None = None) -> None:
@@ -25,3 +25,41 @@ def refuse_unless(condition: torch.Tensor, message: str, full_message: Callable[
         if message not in str(error):
             raise
         raise ValueError(full_message() if full_message is not None else message) from None
+
+
+def refuse_non_finite(name: str, value: torch.Tensor, where: torch.Tensor | None = None) -> None:
+    """``ValueError`` naming ``name`` if a floating ``value`` holds NaN or an infinity (only
+    at the positions where the bool ``where`` is true, broadcast from the left, when given);
+    a device-side check (no host read unless it fails), skipped while compiling or exporting."""
+    if not value.dtype.is_floating_point or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return
+    finite = torch.isfinite(value)
+    if where is not None:
+        finite = finite | ~where.reshape(*where.shape, *[1] * (value.dim() - where.dim()))
+
+    def naming_the_first():
+        bad = (~finite).nonzero()[0].tolist()
+        return f"{name} contains NaN or Inf (first at index {bad}, value {value[tuple(bad)].item()}); it must be finite"
+
+    refuse_unless(finite.all(), f"{name} contains NaN or Inf; it must be finite", naming_the_first)
+
+
+def refuse_non_finite_parameters(module: torch.nn.Module) -> None:
+    """``ValueError`` naming the first parameter of ``module`` that holds NaN or an infinity;
+    one fused pass over every parameter (the largest magnitude of each: NaN or inf exactly
+    when the parameter has one) and no host read unless one does. Skipped while compiling or
+    exporting."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return
+    named = [(name, p) for name, p in module.named_parameters() if p.is_floating_point() and p.numel()]
+    if not named:
+        return
+    with torch.no_grad():
+        peaks = torch._foreach_norm([p for _, p in named], ord=float("inf"))
+        finite = torch.stack([peak.float() for peak in peaks]).isfinite()
+
+    def naming_the_first():
+        first = named[int((~finite).nonzero()[0, 0])][0]
+        return f"parameter {first!r} of {type(module).__name__} contains NaN or Inf; parameters must be finite"
+
+    refuse_unless(finite.all(), "a parameter contains NaN or Inf; parameters must be finite", naming_the_first)

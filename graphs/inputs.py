@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import torch
 
-from graphs.device_checks import refuse_unless
+from graphs.device_checks import refuse_non_finite, refuse_unless
 
-__all__ = ["check_tokens", "check_embeddings", "check_assignment", "refuse_empty_rows"]
+__all__ = ["check_token_types", "check_tokens", "check_embeddings", "check_assignment", "refuse_empty_rows"]
 
 
-def check_tokens(tokens, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [B, n] long, mask [B, n] bool)`` of token ids in ``[0, vocab_size)``; padded
-    positions (mask False) may hold any id and read as 0."""
+def check_token_types(tokens, mask) -> torch.Tensor:
+    """The type and shape checks of a batch of token ids (every model, engine and exported
+    model's wrapper makes these, with these messages): ``tokens`` a ``torch.Tensor`` of an
+    integer dtype ``[B, n]``, non-empty; ``mask`` None or a bool tensor of the same shape.
+    Numpy arrays and lists are refused (``TypeError``): ``torch.as_tensor`` converts them.
+    Returns the mask (all True when None)."""
     if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"tokens must be a torch.Tensor of integer ids, got {type(tokens).__name__}")
+        raise TypeError(
+            f"tokens must be a torch.Tensor of integer ids [batch, length], got {type(tokens).__name__} "
+            "(convert arrays with torch.as_tensor)"
+        )
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
     if tokens.dim() != 2:
@@ -25,12 +31,18 @@ def check_tokens(tokens, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Ten
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
     if mask is None:
-        mask = torch.ones_like(tokens, dtype=torch.bool)
-    else:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask))}")
-        if mask.shape != tokens.shape:
-            raise ValueError(f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}")
+        return torch.ones_like(tokens, dtype=torch.bool)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    if mask.shape != tokens.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}")
+    return mask
+
+
+def check_tokens(tokens, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [B, n] long, mask [B, n] bool)`` of token ids in ``[0, vocab_size)``; padded
+    positions (mask False) may hold any id and read as 0."""
+    mask = check_token_types(tokens, mask)
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # value checks: eager only
         return tokens.long().masked_fill(~mask, 0), mask
     refuse_empty_rows(mask)
@@ -44,15 +56,18 @@ def check_tokens(tokens, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Ten
     return tokens.long().masked_fill(~mask, 0), mask
 
 
-def check_embeddings(embeddings, mask, embedding_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x [B, n, D], mask [B, n] bool)`` of floating embeddings, D = ``embedding_size``;
-    padded positions read as 0."""
+def check_embeddings(
+    embeddings, mask, embedding_size: int, name: str = "embeddings"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x [B, n, D], mask [B, n] bool)`` of floating, finite embeddings, D = ``embedding_size``;
+    padded positions read as 0 (and may hold anything, NaN included). ``name``: the
+    argument's name in messages (a layer calls its input ``hidden``)."""
     if not isinstance(embeddings, torch.Tensor) or not embeddings.dtype.is_floating_point:
         found = getattr(embeddings, "dtype", type(embeddings).__name__)
-        raise TypeError(f"embeddings must be a floating torch.Tensor [B, n, D], got {found}")
+        raise TypeError(f"{name} must be a floating torch.Tensor [B, n, D], got {found}")
     if embeddings.dim() != 3 or embeddings.shape[-1] != embedding_size or 0 in embeddings.shape[:2]:
         raise ValueError(
-            f"embeddings must have shape [batch, length, {embedding_size}] (embedding_size), non-empty, "
+            f"{name} must have shape [batch, length, {embedding_size}] (embedding_size), non-empty, "
             f"got {tuple(embeddings.shape)}"
         )
     lengths_only = torch.zeros(embeddings.shape[:2], dtype=torch.long, device=embeddings.device)
@@ -60,13 +75,12 @@ def check_embeddings(embeddings, mask, embedding_size: int) -> tuple[torch.Tenso
         mask = torch.ones_like(lengths_only, dtype=torch.bool)
     else:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+            raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
         if mask.shape != lengths_only.shape:
-            raise ValueError(
-                f"mask shape {tuple(mask.shape)} must equal embeddings' [B, n] {tuple(lengths_only.shape)}"
-            )
+            raise ValueError(f"mask shape {tuple(mask.shape)} must equal {name}' [B, n] {tuple(lengths_only.shape)}")
     if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
         refuse_empty_rows(mask)
+        refuse_non_finite(name, embeddings, where=mask)  # NaN at a real token would poison its row
     return embeddings.masked_fill(~mask[..., None], 0.0), mask
 
 

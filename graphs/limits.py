@@ -46,7 +46,9 @@ MAX_REACH = 2**20  # window(w), segments(l): an offset, no memory of its own
 def check_size(name: str, value, minimum: int, maximum: int | None = None) -> None:
     """A CRF size: an integer from ``minimum`` to ``maximum`` (default: its ``LIMITS`` entry)."""
     maximum = LIMITS[name] if maximum is None else maximum
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+    if isinstance(value, bool) or not isinstance(value, int):  # a wrong type: TypeError, the same words
+        raise TypeError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
+    if not minimum <= value <= maximum:
         raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
 
 

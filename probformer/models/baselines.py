@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from graphs.device_checks import refuse_non_finite_parameters
 from probformer.models.blocks import NORMS, Block, TaskHead, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 from probformer.models.pretrained import PretrainedMixin
@@ -70,6 +71,7 @@ class Transformer(nn.Module, PretrainedMixin):
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         """Task logits and, per layer, the hidden states ``[L, B, n, width]``."""
         tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, self.config.max_length)
+        refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
         n = tokens.shape[1]
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
         x = nn.functional.dropout(self.embedding_norm(x), self.config.dropout, self.training)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphs.device_checks import refuse_unless  # one implementation, shared with graphs.CRF
+from graphs.inputs import check_token_types
 
 __all__ = [
     "Block",
@@ -56,17 +57,9 @@ def check_token_inputs(tokens, mask, vocab_size: int, max_length: int | None = N
     """Validated ``(tokens, mask)``: integer ids ``[B, n]`` (n <= ``max_length`` if given),
     a bool mask of the same shape (default: all real), real ids in ``[0, vocab_size)``, a
     real token in every row; padded ids -> 0. Value checks are skipped while tracing."""
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
-        raise ValueError(f"tokens must be integer ids of shape [batch, length], got {getattr(tokens, 'shape', tokens)}")
-    if tokens.dtype == torch.bool or tokens.dtype.is_complex:
-        raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}")
+    mask = check_token_types(tokens, mask)  # TypeError / ValueError, the engines' own messages
     if max_length is not None and tokens.shape[1] > max_length:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_length={max_length}")
-    mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else mask
-    if not isinstance(mask, torch.Tensor) or mask.shape != tokens.shape or mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool tensor of shape {tuple(tokens.shape)}")
-    if tokens.numel() == 0:
-        raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
     if not _tracing():
         outside = mask & ((tokens < 0) | (tokens >= vocab_size))
         refuse_unless(~outside.any(), f"token ids must lie in [0, {vocab_size}) (vocab_size)")

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphs.device_checks import refuse_non_finite_parameters
 from inference.folding import segment_stream
 from probformer.models.blocks import Block, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
@@ -126,6 +127,7 @@ class FoldedContext(nn.Module, PretrainedMixin):
         """Next-token logits ``[B, L, vocab]`` (position i predicts token i + 1) and the
         final hidden states ``[B, L, width]``. Padding must come at the end of a row."""
         tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size)
+        refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
         if not self.config.folded:
             return self._windowed(tokens, mask)
         B, L = tokens.shape

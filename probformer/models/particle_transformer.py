@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphs.device_checks import refuse_non_finite_parameters
 from probformer.models.blocks import (
     Block,
     TaskHead,
@@ -232,6 +233,7 @@ class ParticleTransformer(nn.Module, PretrainedMixin):
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, self.config.max_length)
+        refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
         B, n = tokens.shape
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
         padding = torch.where(mask, 0.0, -math.inf).to(x.dtype)

@@ -20,6 +20,7 @@ from torch import nn
 
 import graphs
 import inference
+from graphs.device_checks import refuse_non_finite_parameters
 from probformer.models import mup
 from probformer.models.blocks import POOLINGS, TASKS, TaskHead, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
@@ -197,6 +198,7 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
                 top = self.head(logits, mask).softmax(-1).amax(-1)
                 return F.pad(top, (0, logits.shape[1] - top.shape[1]))
 
+        refuse_non_finite_parameters(self)  # the head and halting unit too (the engine checks the CRF)
         posterior = self.mean_field(tokens, mask, confidence=confidence)
         return self.head(posterior.logits, mask), posterior
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import graphs
+from graphs.inputs import check_embeddings
 from inference import MeanField
 
 __all__ = ["PTLayer"]
@@ -74,8 +75,7 @@ class PTLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [B, n, D]`` (floating) and ``mask [B, n]`` (bool, True for real tokens;
         default all) -> ``[B, n, D]``, zero on padded positions."""
-        if mask is None and isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
-            mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        hidden, mask = self._checked(hidden, mask)
         posterior = self.mean_field(embeddings=hidden, mask=mask)
         n = hidden.shape[1]
         marginals = posterior.logits[:, :n].softmax(-1)  # the tokens' labels (virtual nodes dropped)
@@ -83,4 +83,9 @@ class PTLayer(nn.Module):
 
     def posterior(self, hidden: torch.Tensor, mask: torch.Tensor | None = None):
         """The engine's ``Posterior`` (label logits, head marginals, ELBO) of these states."""
-        return self.mean_field(embeddings=hidden, mask=mask)
+        return self.mean_field(embeddings=self._checked(hidden, mask)[0], mask=mask)
+
+    def _checked(self, hidden, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's own argument checked by its own name (``hidden``: type, shape, finite
+        at real tokens), before the engine reads it as ``embeddings``."""
+        return check_embeddings(hidden, mask, self.crf.embedding_size, name="hidden")

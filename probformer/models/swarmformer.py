@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphs.device_checks import refuse_non_finite_parameters
 from probformer.models.blocks import Block, TaskHead, check_token_inputs, one_hot, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 from probformer.models.pretrained import PretrainedMixin
@@ -184,6 +185,7 @@ class SwarmFormer(nn.Module, PretrainedMixin):
         """Final states ``[B, n, width]``, per-layer states ``[L, B, n, width]`` and the
         per-layer routing (assignment, probabilities, writers, cluster states)."""
         tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, self.config.max_length)
+        refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
         n = tokens.shape[1]
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
         x = F.dropout(x, self.config.dropout, self.training)

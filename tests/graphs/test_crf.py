@@ -168,13 +168,18 @@ def test_non_finite_potentials_are_refused(name, value):
         (dict(rank=0), "rank"),
         (dict(global_labels=-1), "global_labels must be an integer >= 0"),
         (dict(gamma=-1), "gamma"),
-        (dict(labels=2.5), "labels"),
         (dict(topology="spiral"), "unknown topology name 'spiral'"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_crf(**kwargs)
+
+
+@pytest.mark.parametrize("name,value", [("labels", 2.5), ("labels", "3"), ("channels", None), ("rank", True)])
+def test_sizes_of_a_wrong_type_are_type_errors(name, value):
+    with pytest.raises(TypeError, match=f"{name} must be an integer"):
+        make_crf(**{name: value})
 
 
 # the limits restated here on purpose (an oracle independent of graphs.crf.LIMITS)

@@ -51,5 +51,5 @@ def test_bad_inputs_are_refused_naming_them():
     layer = probformer.PTLayer(4, labels=3, channels=1, rank=2)
     with pytest.raises(ValueError, match="embedding_size"):
         layer(torch.randn(1, 3, 5))
-    with pytest.raises(TypeError, match="embeddings must be a floating"):
+    with pytest.raises(TypeError, match="hidden must be a floating"):  # the layer's own argument
         layer(torch.ones(1, 3, 4, dtype=torch.long))
