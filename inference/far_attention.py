@@ -17,24 +17,32 @@ key and a row with no real key has lse = _SINK + log(#sinks), computed from the 
 numbers in the forward and the backward (``head_kernels``' docstring says why that matters).
 Keys a row must ignore get ``_ABSENT``.
 
-Blocks (issue 19): the op's own causal mode skips masked work only in 512-key steps, so
-the rows are cut into query blocks, and each block is given only the keys some row of it
-can see (a prefix on the left, a suffix on the right): a half of the n x n work plus a
-sliver per block, instead of all of it. The block masks of an unmasked side are windows
-of one strip ``[block, n + block]`` (memory linear in n); a ``token_mask`` gets its rows'
-slice per block.
+Blocks: the op's own causal mode skips masked work only in 512-key steps, so the rows are
+cut into query blocks, and each block is given only the keys some row of it can see. With
+no more than the side known, that is a prefix on the left and a suffix on the right: a half
+of the n x n work plus a sliver per block. A ``KeySpan`` from the topology's data (a band's
+reach for ``window(w)``, the segment length of ``segments(l)``) bounds each row's keys
+further: a block then reads its rows plus the span (O(n w) work for a window, O(n l) for
+segments), smaller blocks for a narrower span. The block masks of an unmasked side are
+windows of one strip ``[block, n + block]`` (memory linear in n); a ``token_mask`` gets its
+rows' slice per block (the span is only where to look: the mask decides every arc). A block
+whose keys do not reach a sink leaves a row with no key at out = an average of masked
+values and lse ~ ``ABSENT``, which the kernel's log-sum-exp merge weighs by exactly 0.
 
 Off the CPU (or without the op) the same attention is materialised (correct, O(n^2) memory).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from inference.message_assembly import write_product
 
-__all__ = ["far_attention", "flash_available", "MASKED", "SINK", "ABSENT"]
+__all__ = ["far_attention", "flash_available", "KeySpan", "UNBOUNDED", "MASKED", "SINK", "ABSENT"]
 
 # finite "minus infinity" inside fused kernels: exp() of it is exactly 0, and it stays far
 # below any score float32 can still tell apart (potentials of 1e8 and beyond), yet twice or
@@ -107,11 +115,71 @@ def _visible(rows: torch.Tensor, keys: torch.Tensor, n: int, shift: int, side: s
     return visible
 
 
-def _blocks(n: int, shift: int, side: str, token_mask, dtype, device):
+@dataclass(frozen=True)
+class KeySpan:
+    """Where the keys a row may see can lie, known from the topology (a superset: the token
+    mask still decides each arc). ``width``: within that many tokens of the row (a band;
+    ``math.inf``: anywhere). ``segment``: within the segments ``seg(i) - before`` to
+    ``seg(i) + after`` of ``segment`` tokens each (``segments(l)``: before = 1 for the arcs,
+    after = 1 for their transpose)."""
+
+    width: float = math.inf
+    segment: int | None = None
+    before: int = 0
+    after: int = 0
+
+    @property
+    def bounded(self) -> bool:
+        return self.width != math.inf or self.segment is not None
+
+    def rows_per_block(self, n: int) -> int:
+        """Query rows per block: about the span's own scale (a block's keys are its rows
+        plus the span, so smaller blocks read fewer unreachable keys), at least 32 (each
+        block is one call of the op), at most ``query_block(n)``."""
+        scale = min(self.width, self.segment if self.segment is not None else math.inf)
+        return int(max(32, min(query_block(n), scale)))
+
+    def tokens(self, lo: int, hi: int, n: int) -> tuple[int, int]:
+        """``[start, stop)``: every key some row ``lo <= i < hi`` may see."""
+        start, stop = 0, n
+        if self.width != math.inf:
+            start, stop = max(start, lo - int(self.width)), min(stop, hi + int(self.width))
+        if self.segment is not None:
+            length = self.segment
+            start = max(start, (lo // length - self.before) * length)
+            stop = min(stop, ((hi - 1) // length + 1 + self.after) * length)
+        return start, stop
+
+
+UNBOUNDED = KeySpan()
+
+
+def _key_slice(lo: int, hi: int, n: int, shift: int, side: str, span: KeySpan) -> slice:
+    """The augmented keys (sinks included) of the query block ``[lo, hi)``: on the left
+    tokens ``j <= i - shift`` (augmented ``j + shift``; the sinks ``[0, shift)`` when the
+    range starts at token 0), on the right ``j >= i + shift`` (the sinks ``[n, n + shift)``
+    when it reaches token n - 1). Never empty: a block with no reachable key gets one
+    (masked for all its rows)."""
+    start, stop = span.tokens(lo, hi, n)
+    if side == "left":
+        stop = min(stop, hi - shift)
+        keys = (0 if start == 0 else start + shift, stop + shift)
+    else:
+        start = max(start, lo + shift)
+        keys = (start, n + shift if stop == n else stop)
+    if keys[1] <= keys[0]:
+        first = min(keys[0], n + shift - 1)
+        keys = (first, first + 1)
+    return slice(*keys)
+
+
+def _blocks(n: int, shift: int, side: str, token_mask, dtype, device, span: KeySpan = UNBOUNDED):
     """``[(rows, keys, mask [1, 1, rows, keys])]``, one per query block, as slices."""
     if token_mask is None and side == "left" and n >= NATIVE_CAUSAL_FROM:  # the op's causal mode
         return [(slice(0, n), slice(0, n), None)]
-    size = query_block(n)
+    if token_mask is None and span.bounded:
+        raise ValueError("a bounded key span needs the token mask that decides each arc")
+    size = span.rows_per_block(n) if span.bounded else query_block(n)
     starts = range(0, n, size)
     if token_mask is None:  # every block's mask is a window of one strip
         rows = torch.arange(size, device=device)
@@ -123,7 +191,7 @@ def _blocks(n: int, shift: int, side: str, token_mask, dtype, device):
     blocks = []
     for lo in starts:
         hi = min(lo + size, n)
-        keys = slice(0, hi) if side == "left" else slice(lo + shift, n + shift)
+        keys = _key_slice(lo, hi, n, shift, side, span)
         if token_mask is None:
             columns = slice(n - lo, n - lo + hi) if side == "left" else slice(0, n - lo)
             mask = strip[: hi - lo, columns]
@@ -135,6 +203,27 @@ def _blocks(n: int, shift: int, side: str, token_mask, dtype, device):
     return blocks
 
 
+def _accumulate(total: torch.Tensor, parts) -> None:
+    """``total[:, keys] (+)= part`` for ``(keys, part)`` in order of ``keys.start``: each
+    key row written by the first part that reaches it, added to by the later ones, and
+    the rows none reaches zeroed (no full-size zero fill first)."""
+    covered = None
+    for keys, part in parts:
+        if covered is None:
+            total[:, : keys.start] = 0
+            covered = keys.start
+        if keys.start > covered:  # a gap no part reached
+            total[:, covered : keys.start] = 0
+            covered = keys.start
+        split = min(covered, keys.stop)
+        if split > keys.start:
+            total[:, keys.start : split] += part[:, : split - keys.start]
+        if keys.stop > split:
+            total[:, split : keys.stop] = part[:, split - keys.start :]
+            covered = keys.stop
+    total[:, covered:] = 0
+
+
 class _BlockedFlash(torch.autograd.Function):
     """The far attention through the CPU flash op, one call per query block.
 
@@ -144,10 +233,10 @@ class _BlockedFlash(torch.autograd.Function):
     in; the keys' extra column then receives the key bias's gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_bias, scale, shift, side, token_mask):
+    def forward(ctx, q, k, v, key_bias, scale, shift, side, token_mask, span):
         B, n, C, r = q.shape
         queries, keys, values = _augmented(q, k, v, key_bias, scale, shift, side)
-        blocks = _blocks(n, shift, side, token_mask, q.dtype, q.device)
+        blocks = _blocks(n, shift, side, token_mask, q.dtype, q.device, span)
         out = q.new_empty(B, n, C, r + 1)
         lse = None
         for rows, cols, mask in blocks:
@@ -184,10 +273,8 @@ class _BlockedFlash(torch.autograd.Function):
         out_and_g[..., :r] = out[..., :r]
         out_and_g[..., r] = 0 if grad_lse is None else -grad_lse.transpose(1, 2).to(out.dtype)
         grad_queries = torch.empty_like(queries)  # the blocks' rows tile [0, n) exactly once
-        grad_keys, grad_values = torch.empty_like(keys), torch.empty_like(values)
-        # the block with the most keys first: its gradients are written, not added to zeros
-        blocks = sorted(ctx.blocks, key=lambda block: block[1].start - block[1].stop)
-        for index, (rows, cols, mask) in enumerate(blocks):
+        key_parts, value_parts = [], []
+        for rows, cols, mask in ctx.blocks:
             gq, gk, gv = _flash_backward(
                 _heads(d_out[:, rows]),
                 _heads(queries[:, rows]),
@@ -201,19 +288,17 @@ class _BlockedFlash(torch.autograd.Function):
                 scale=1.0,
             )
             grad_queries[:, rows] = _heads(gq)
-            if index:
-                grad_keys[:, cols] += _heads(gk)
-                grad_values[:, cols] += _heads(gv)
-                continue
-            for total, part in ((grad_keys, gk), (grad_values, gv)):
-                total[:, : cols.start] = 0
-                total[:, cols.stop :] = 0
-                total[:, cols] = _heads(part)
+            key_parts.append((cols, _heads(gk)))
+            value_parts.append((cols, _heads(gv)))
+        grad_keys, grad_values = torch.empty_like(keys), torch.empty_like(values)
+        order = sorted(range(len(key_parts)), key=lambda index: key_parts[index][0].start)
+        _accumulate(grad_keys, [key_parts[index] for index in order])
+        _accumulate(grad_values, [value_parts[index] for index in order])
         n = queries.shape[1]
         tokens = slice(ctx.shift, None) if ctx.side == "left" else slice(0, n)
         grad_q = grad_queries[..., :r] * ctx.scale
         grad_k, grad_bias = grad_keys[:, tokens, :, :r], grad_keys[:, tokens, :, r]
-        return grad_q, grad_k, grad_values[:, tokens, :, :r], grad_bias, None, None, None, None
+        return grad_q, grad_k, grad_values[:, tokens, :, :r], grad_bias, None, None, None, None, None
 
 
 def _materialised(q, k, v, key_bias, scale, shift, side, token_mask):
@@ -235,17 +320,22 @@ def _materialised(q, k, v, key_bias, scale, shift, side, token_mask):
     return out.transpose(1, 2)[..., :-1], lse
 
 
-def far_attention(q, k, v, key_bias, scale: float, shift: int, side: str, token_mask=None, flash: bool = True):
+def far_attention(
+    q, k, v, key_bias, scale: float, shift: int, side: str, token_mask=None, flash: bool = True, span=UNBOUNDED
+):
     """``(out [B, n, C, r], lse [B, C, n])`` of row i over the keys j with j <= i - shift
     (``side="left"``) or j >= i + shift (``"right"``), and ``token_mask[i, j]`` if given.
     ``q, k, v [B, n, C, r]`` and ``key_bias [B, n, C]`` (``ABSENT`` on keys that exist for no
-    query, e.g. padding). ``flash``: use the CPU flash op (the caller decides: tests patch it)."""
+    query, e.g. padding). ``flash``: use the CPU flash op (the caller decides: tests patch it).
+    ``span`` (a ``KeySpan``, with a token mask): where a row's keys can lie; the op then reads
+    only those (the result is the same: the mask decides). A row whose block holds no key it
+    may see (rather than the sinks) gets lse ~ ``ABSENT``."""
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
     if flash and side == "right" and token_mask is None and q.shape[1] >= NATIVE_CAUSAL_FROM:
         flip = lambda t: t.flip(1)  # noqa: E731  (the reversed sequence: its left side)
-        out, lse = _BlockedFlash.apply(flip(q), flip(k), flip(v), flip(key_bias), scale, shift, "left", None)
+        out, lse = _BlockedFlash.apply(flip(q), flip(k), flip(v), flip(key_bias), scale, shift, "left", None, UNBOUNDED)
         return flip(out), lse.flip(-1)
     if flash:
-        return _BlockedFlash.apply(q, k, v, key_bias, scale, shift, side, token_mask)
+        return _BlockedFlash.apply(q, k, v, key_bias, scale, shift, side, token_mask, span)
     return _materialised(q, k, v, key_bias, scale, shift, side, token_mask)

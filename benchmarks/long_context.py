@@ -1,0 +1,184 @@
+"""Long inputs: what each topology and long-context model costs as n grows.
+
+    .venv/bin/python benchmarks/long_context.py --topologies [--n 2048] [--rounds 5]
+    .venv/bin/python benchmarks/long_context.py --table [--lengths 512,1024,...] [--rounds 3]
+
+``--topologies``: the fused PT iteration (d = 16, C = 8, r = 64, gamma = 3 so K = 8 groups,
+B = 1, T = 1, forward + backward) on full, causal, window(64) and segments(128), all built in
+this process and timed interleaved, min over rounds; prints each topology's time over full's.
+
+``--table``: for every length, each model's forward + backward time (min over rounds, in this
+process) and peak memory (one fresh process per cell: peak RSS above the RSS after setup),
+then the slope of log time and log memory against log n over the lengths measured. Models:
+PT (d = 16, C = 8, r = 64, T = 1, fused kernel) on full, causal, window(64) and
+segments(128); ``probformer.SwarmFormer``; ``probformer.FoldedContext``.
+
+Everything runs on one torch thread (``OMP_NUM_THREADS=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+PT_TOPOLOGIES = ("full", "causal", "window(64)", "segments(128)")
+MODELS = tuple(f"pt:{t}" for t in PT_TOPOLOGIES) + ("swarmformer", "folded")
+
+
+def build_pt(n: int, topology: str, d: int = 16, C: int = 8, r: int = 64, B: int = 1):
+    """A PT iteration as a user builds it: ``graphs.CRF`` + ``inference.MeanField``."""
+    import graphs
+    import inference
+
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=1000, labels=d, channels=C, rank=r, topology=topology, gamma=3)
+    engine = inference.MeanField(crf, iterations=1, kernel="fused", weights="reference")
+    tokens = torch.randint(0, 1000, (B, n))
+    return lambda: engine(tokens).logits.square().mean().backward()
+
+
+def build_swarmformer(n: int):
+    import probformer
+
+    torch.manual_seed(0)
+    config = probformer.SwarmConfig(
+        vocab_size=1000, width=64, heads=4, layers=2, ffn_width=256, window=3, clusters=16, max_length=n, dropout=0.0
+    )
+    model = probformer.SwarmFormer(config)
+    tokens = torch.randint(0, 1000, (1, n))
+    return lambda: model(tokens)[0].square().mean().backward()
+
+
+def build_folded(n: int):
+    import probformer
+
+    torch.manual_seed(0)
+    config = probformer.FoldedContextConfig(
+        vocab_size=1000, width=64, heads=4, local_layers=2, global_layers=2, ffn_width=256, segment=64
+    )
+    model = probformer.FoldedContext(config)
+    tokens = torch.randint(0, 1000, (1, n))
+    return lambda: model(tokens)[0].square().mean().backward()
+
+
+def build(model: str, n: int):
+    if model.startswith("pt:"):
+        return build_pt(n, model[3:])
+    return {"swarmformer": build_swarmformer, "folded": build_folded}[model](n)
+
+
+def time_interleaved(steps: dict, rounds: int) -> dict:
+    best = {name: math.inf for name in steps}
+    for step in steps.values():  # warm-up
+        step()
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def topologies(n: int, rounds: int) -> dict:
+    steps = {t: build_pt(n, t) for t in PT_TOPOLOGIES}
+    best = time_interleaved(steps, rounds)
+    ratios = {t: best[t] / best["full"] for t in PT_TOPOLOGIES}
+    print(f"n = {n}, fused, forward + backward, 1 thread, min of {rounds}:")
+    for t in PT_TOPOLOGIES:
+        print(f"  {t:14s} {best[t]:8.4f} s   / full {ratios[t]:.3f}")
+    return {"n": n, "rounds": rounds, "seconds": best, "over_full": ratios}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def measure_peak(model: str, n: int) -> float:
+    """In this process: MiB of peak RSS during one forward + backward above the RSS after
+    setup and one warm-up step (the kernel's peak counter, VmHWM, is reset after them)."""
+    step = build(model, n)
+    step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kib("VmRSS")
+    step()
+    return (_status_kib("VmHWM") - base) / 1024
+
+
+def peak_memory(model: str, n: int) -> float:
+    code = (
+        "import sys, torch; sys.path.insert(0, '.'); torch.set_num_threads(1);"
+        f"from benchmarks.long_context import measure_peak; print(measure_peak({model!r}, {n}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        print(out.stderr[-2000:], file=sys.stderr)
+        return math.nan
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def slope(lengths, values) -> float:
+    """Least-squares slope of log value against log n (NaN-free points only)."""
+    points = [(math.log(n), math.log(v)) for n, v in zip(lengths, values) if v == v and v > 0]
+    if len(points) < 2:
+        return math.nan
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+
+
+def table(lengths, models, rounds: int, memory: bool) -> dict:
+    results = {m: {"seconds": [], "peak_mib": []} for m in models}
+    for n in lengths:
+        best = time_interleaved({m: build(m, n) for m in models}, rounds)
+        for m in models:
+            results[m]["seconds"].append(best[m])
+            results[m]["peak_mib"].append(peak_memory(m, n) if memory else math.nan)
+            print(f"n = {n:6d} {m:18s} {best[m]:9.4f} s  {results[m]['peak_mib'][-1]:9.1f} MiB", flush=True)
+    for m in models:
+        results[m]["time_slope"] = slope(lengths, results[m]["seconds"])
+        results[m]["memory_slope"] = slope(lengths, results[m]["peak_mib"])
+    header = "| model | " + " | ".join(f"n = {n}" for n in lengths) + " | time slope | memory slope |"
+    print(header)
+    print("|---" * (len(lengths) + 3) + "|")
+    for m in models:
+        cells = " | ".join(f"{s:.3g} s, {p:.0f} MiB" for s, p in zip(results[m]["seconds"], results[m]["peak_mib"]))
+        print(f"| {m} | {cells} | {results[m]['time_slope']:.2f} | {results[m]['memory_slope']:.2f} |")
+    return {"lengths": list(lengths), "rounds": rounds, "models": results}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--topologies", action="store_true", help="fused PT: each topology's time over full's")
+    parser.add_argument("--table", action="store_true", help="time and peak memory of every model as n grows")
+    parser.add_argument("--n", type=int, default=2048, help="--topologies: the length")
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384", help="--table: the lengths")
+    parser.add_argument("--models", default=",".join(MODELS), help="--table: the models")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-memory", action="store_true", help="--table: time only")
+    parser.add_argument("--out", help="write the results as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.topologies:
+        result = topologies(args.n, args.rounds)
+    elif args.table:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        result = table(lengths, args.models.split(","), args.rounds, not args.no_memory)
+    else:
+        parser.error("give --topologies or --table")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
