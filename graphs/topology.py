@@ -77,6 +77,7 @@ class Topology:
     segment_length: int | None = None
     build_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
     data: dict | None = field(default=None, compare=False)  # how to store it (see to_data); None: it cannot be
+    build_border: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # see border()
 
     @property
     def n_max(self) -> int | None:
@@ -129,6 +130,21 @@ class Topology:
         not_self = index[:, None] != index[None, :]
         return rows & nodes[:, :, None] & nodes[:, None, :] & not_self
 
+    def border(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token_to_virtual [B, n, m], virtual_rows [B, m, n + m])``: the rows and columns of
+        ``arcs(mask)`` that touch a virtual node, without building the ``[B, N, N]`` arcs (a
+        memory-linear kernel reads the token arcs from ``mask(n)`` and these)."""
+        batch, n = mask.shape
+        m = self.extra_nodes
+        if self.build_border is not None:
+            return self.build_border(mask)
+        if self.build_rows is not None:  # no border of its own: sliced from the rows
+            arcs = self.arcs(mask)
+            return arcs[:, :n, n:], arcs[:, n:, :]
+        table = self.mask(n, mask.device)  # cached; its self-arcs removed
+        nodes = torch.cat([mask, mask.new_ones(batch, m)], 1)
+        return table[:n, n:][None] & mask[:, :, None], table[n:, :][None] & nodes[:, None, :]
+
     def _rows(self, mask: torch.Tensor) -> torch.Tensor:
         if self.build_rows is not None:
             return self.build_rows(mask)
@@ -176,6 +192,13 @@ class Topology:
         def build_rows(mask: torch.Tensor) -> torch.Tensor:
             return union(left._rows(mask), right._rows(mask), mask.shape[1])
 
+        def build_border(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            (to_a, rows_a), (to_b, rows_b) = left.border(mask), right.border(mask)
+            n, batch = mask.shape[1], mask.shape[0]
+            rows_a = torch.cat([rows_a, rows_a.new_zeros(batch, ma, mb)], -1)  # b's virtual nodes after a's
+            rows_b = torch.cat([rows_b[..., :n], rows_b.new_zeros(batch, mb, ma), rows_b[..., n:]], -1)
+            return torch.cat([to_a, to_b], -1), torch.cat([rows_a, rows_b], 1)
+
         band = None
         if left.band is not None and right.band is not None:  # nested bands: the union is a band
             band = (max(left.band[0], right.band[0]), max(left.band[1], right.band[1]))
@@ -184,7 +207,9 @@ class Topology:
         if left.data is not None and right.data is not None:
             both_text = "text" in left.data and "text" in right.data
             data = {"text": f"{left.name} | {right.name}"} if both_text else {"union": [left.data, right.data]}
-        return Topology(f"{left.name} | {right.name}", left.virtual + right.virtual, build, band, None, rows, data)
+        border = build_border if rows is not None else None
+        name = f"{left.name} | {right.name}"
+        return Topology(name, left.virtual + right.virtual, build, band, None, rows, data, build_border=border)
 
     def __repr__(self) -> str:
         return f"Topology({self.name})"
@@ -294,24 +319,35 @@ def clusters(k: int, dynamic: bool = False) -> Topology:
     k = check_positive("number of clusters k", k, MAX_CLUSTERS)
     _check_flag("clusters(dynamic=...)", dynamic)
 
-    def build_rows(mask: torch.Tensor) -> torch.Tensor:
+    def belongs(mask: torch.Tensor) -> torch.Tensor:
+        """``[B, n, k]``: token i's cluster (real tokens only)."""
         batch, n = mask.shape
         if dynamic:
-            belongs = mask[:, :, None].expand(batch, n, k)
-        else:  # contiguous over the real tokens: the r-th of L real tokens joins floor(r k / L)
-            length = mask.sum(1, keepdim=True).clamp(min=1)
-            rank = (mask.long().cumsum(1) - 1).clamp(min=0)
-            member = torch.div(rank * k, length, rounding_mode="floor")
-            belongs = (member[:, :, None] == torch.arange(k, device=mask.device)) & mask[:, :, None]
-        tokens = torch.cat([belongs.new_zeros(batch, n, n), belongs], 2)  # token -> its cluster
-        nodes = torch.cat([belongs.transpose(1, 2), belongs.new_ones(batch, k, k)], 2)  # cluster -> members, clusters
+            return mask[:, :, None].expand(batch, n, k)
+        # contiguous over the real tokens: the r-th of L real tokens joins floor(r k / L)
+        length = mask.sum(1, keepdim=True).clamp(min=1)
+        rank = (mask.long().cumsum(1) - 1).clamp(min=0)
+        member = torch.div(rank * k, length, rounding_mode="floor")
+        return (member[:, :, None] == torch.arange(k, device=mask.device)) & mask[:, :, None]
+
+    def build_rows(mask: torch.Tensor) -> torch.Tensor:
+        batch, n = mask.shape
+        member = belongs(mask)
+        tokens = torch.cat([member.new_zeros(batch, n, n), member], 2)  # token -> its cluster
+        nodes = torch.cat([member.transpose(1, 2), member.new_ones(batch, k, k)], 2)  # cluster -> members, clusters
         return torch.cat([tokens, nodes], 1)
 
     def build(n: int) -> torch.Tensor:
         return build_rows(torch.ones(1, n, dtype=torch.bool))[0]
 
+    def build_border(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        member = belongs(mask)
+        others = ~torch.eye(k, dtype=torch.bool, device=mask.device)  # clusters choose each other, not themselves
+        return member, torch.cat([member.transpose(1, 2), others.expand(mask.shape[0], k, k)], 2)
+
     name = f"clusters({k}, dynamic=True)" if dynamic else f"clusters({k})"
-    return _as_text(Topology(name, tuple(f"cluster{c}" for c in range(k)), build, (0, 0), build_rows=build_rows))
+    virtual = tuple(f"cluster{c}" for c in range(k))
+    return _as_text(Topology(name, virtual, build, (0, 0), build_rows=build_rows, build_border=build_border))
 
 
 def segments(length: int, causal: bool = False) -> Topology:

@@ -13,19 +13,22 @@ attention: C key/value heads, each read by its channel's K query heads (the quer
 repeated per group; keys and values are not), and the messages are summed over the groups.
 
 Memory: the projections in head layout and the per-head lse, O(n); the block masks'
-metadata, O((n / 128)^2) per head; the compiled kernels keep nothing n x n. The block masks
-are built from ``structure.arcs`` one slab of 128 rows at a time.
+metadata, O((n / 128)^2) per head, built once per batch from tables cached per topology
+(``inference.flex_masks``); the mask_mod reads O(B n) data; the compiled kernels keep
+nothing n x n.
 
 Where it runs: on CUDA, the compiled flex_attention (Triton; ``BACKEND="TRITON"``, whose
-backward differentiates through the lse; flex's FLASH backend does not). On the CPU,
-flex_attention's compiled kernel neither returns the lse nor has a backward, so the kernel
-runs flex_attention's eager reference (it materialises the scores, is differentiable, and
-reads the same block masks): correct, for tests, not memory-linear. The Triton kernel keeps
-its lse in float32 whatever the inputs' type, so ``compute_dtype=torch.float64`` (which
-``MeanField`` asks for past a score bound of 512) still merges float32 normalisers there:
-about |score| 2**-24 relative, as the fused kernel in float32 (float64 on CUDA is untested
-here). Under TF32 matmuls (``torch.set_float32_matmul_precision("high")``) the Triton
-kernel rounds its dot products, the reverse's ``-lse`` column included, to TF32.
+backward differentiates through the lse; flex's FLASH backend does not). Compiled once per
+configuration (``_compiled``): shapes are dynamic, and the configuration is the key of a
+bounded cache, each entry with its own recompile budget; a recompile past Dynamo's limit
+raises instead of falling back to eager. On the CPU, flex_attention's compiled kernel
+neither returns the lse nor has a backward, so the kernel runs flex_attention's eager
+reference (it materialises the scores, is differentiable, and reads the same block masks):
+correct, for tests, not memory-linear; ``MeanField`` refuses it for training there.
+Precision: computed in float32 at least, outside autocast (``kernel_precision``); float64
+runs the eager reference, never the Triton kernel (``MeanField`` routes float64 on CUDA to
+the fused kernel). Under TF32 matmuls (``torch.set_float32_matmul_precision("high")``) the
+Triton kernel rounds its dot products, the reverse's ``-lse`` column included, to TF32.
 """
 
 from __future__ import annotations
@@ -36,24 +39,34 @@ import math
 import torch
 import torch.nn.functional as F
 from torch._higher_order_ops.flex_attention import flex_attention as _flex_reference
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-from inference.head_kernels import HeadMessages, HeadStructure
+from inference.flex_masks import BLOCK, block_masks, group_count
+from inference.head_structure import HeadMessages, HeadStructure
+from inference.kernel_precision import full_precision
 
-__all__ = ["flex", "flex_available"]
+__all__ = ["flex", "flex_available", "COMPILE_BACKEND", "COMPILED_DEVICES"]
 
-BLOCK = 128  # flex_attention's default sparse block size
 # Triton's tl.dot wants head dimensions of at least 16: projections are zero-padded to it
 _MIN_HEAD_DIM = 16
 # the Triton backend: the FLASH backend's backward does not differentiate through the lse
 _KERNEL_OPTIONS = {"BACKEND": "TRITON"}
+# where the compiled kernel runs, and through which torch.compile backend (tests run the
+# compiled path on the CPU with "aot_eager", without gradients)
+COMPILED_DEVICES = frozenset({"cuda"})
+COMPILE_BACKEND = "inductor"
 
 
-@functools.cache
-def _compiled_flex_attention():
-    """Compiled on first use, not at import: torch.compile pulls in sympy and networkx,
-    which an exported model's runtime must not need."""
-    return torch.compile(flex_attention)
+@functools.lru_cache(maxsize=32)
+def _compiled(configuration: tuple):
+    """A compiled flex_attention for one configuration (device, dtype, gradients, heads, head
+    dimensions, and whether the batch or the block count is 1, which Dynamo specialises).
+    Each is a function of its own code object, so each has its own recompile budget; shapes
+    within it are dynamic. Compiled on first use, not at import: torch.compile pulls in
+    sympy and networkx, which an exported model's runtime must not need."""
+    namespace = {"flex_attention": flex_attention}
+    exec("def attend(*args, **kwargs):\n    return flex_attention(*args, **kwargs)\n", namespace)  # noqa: S102
+    return torch.compile(namespace["attend"], backend=configuration[0], dynamic=True, fullgraph=True)
 
 
 def flex_available(device: torch.device) -> bool:
@@ -65,94 +78,42 @@ def _same_score(score, batch, head, q_idx, kv_idx):
     return score
 
 
-def _group_of(q_idx, kv_idx, structure: HeadStructure):
-    """The distance group of arc (q_idx -> kv_idx), index arithmetic only (usable inside a
-    mask_mod): the same rule as ``graphs.topology.distance_groups`` and ``head_kernels.fused``.
-    The diagonal (never an arc) gets a left group here, group 0 there: no arc reads it."""
-    offset = kv_idx - q_idx
-    distance = offset.abs()
-    bucket = torch.zeros_like(distance)
-    for cut in structure.bucket_cuts:
-        bucket = bucket + (distance >= cut).to(distance.dtype)
-    token_group = torch.where(offset > 0, bucket, bucket + (structure.gamma + 1))
-    virtual = (q_idx >= structure.n) | (kv_idx >= structure.n)
-    return torch.where(virtual, structure.virtual_group, token_group)
-
-
-def _block_counts(structure: HeadStructure, groups: int) -> torch.Tensor:
-    """``[B, K, nb, nb]``: per group, the number of arcs in each 128 x 128 block (padding
-    beyond N counts as no arc, so an edge block is never full). One slab of rows at a time:
-    at most ``B K 128 N`` booleans exist at once."""
-    arcs = structure.arcs
-    B, N = arcs.shape[0], arcs.shape[-1]
-    nb = -(-N // BLOCK)
-    columns = torch.arange(N, device=arcs.device)
-    group_ids = torch.arange(groups, device=arcs.device)[:, None, None]
-    slabs = []
-    for start in range(0, N, BLOCK):
-        rows = columns[start : start + BLOCK]
-        in_group = _group_of(rows[:, None], columns[None, :], structure) == group_ids  # [K, R, N]
-        slab = arcs[:, None, start : start + BLOCK] & in_group  # [B, K, R, N]
-        slab = F.pad(slab, (0, nb * BLOCK - N, 0, BLOCK - rows.numel()))
-        slabs.append(slab.view(B, groups, BLOCK, nb, BLOCK).sum((2, 4), dtype=torch.int32))
-    return torch.stack(slabs, 2)
-
-
-def _block_mask(counts: torch.Tensor, channels: int, mask_mod, size: int) -> BlockMask:
-    """A BlockMask over heads h = c * K + k from the per-group block counts: blocks with every
-    arc are "full" (no mask_mod there), blocks with some are partial."""
-
-    def ordered(blocks: torch.Tensor):
-        blocks = blocks.to(torch.int32).repeat(1, channels, 1, 1)
-        indices = torch.argsort(blocks, dim=-1, descending=True, stable=True)
-        return blocks.sum(-1, dtype=torch.int32), indices.to(torch.int32)
-
-    full = counts == BLOCK * BLOCK
-    partial_blocks, partial_indices = ordered((counts > 0) & ~full)
-    full_blocks, full_indices = ordered(full)
-    return BlockMask.from_kv_blocks(
-        partial_blocks, partial_indices, full_blocks, full_indices, BLOCK, mask_mod, (size, size)
-    )
-
-
-def _block_masks(structure: HeadStructure, groups: int, channels: int) -> tuple[BlockMask, BlockMask]:
-    """The block masks of the forward attention (row i over its heads j) and of the reverse
-    one (head i over its dependents j): each other's transpose."""
-    arcs = structure.arcs
-
-    def forward_mask(batch, head, q_idx, kv_idx):
-        return arcs[batch, q_idx, kv_idx] & (_group_of(q_idx, kv_idx, structure) == head % groups)
-
-    def reverse_mask(batch, head, q_idx, kv_idx):
-        return arcs[batch, kv_idx, q_idx] & (_group_of(kv_idx, q_idx, structure) == head % groups)
-
-    counts = _block_counts(structure, groups)
-    size = arcs.shape[-1]
-    return (
-        _block_mask(counts, channels, forward_mask, size),
-        _block_mask(counts.transpose(-1, -2), channels, reverse_mask, size),
-    )
-
-
-def _attention(q, k, v, block_mask: BlockMask):
+def _attention(q, k, v, block_mask):
     """``softmax(q k^T + mask) v`` and its natural-log lse (``-inf`` on rows with no key, whose
     output is 0), differentiable in q, k, v and the lse. Fewer key/value heads than query
     heads: query head h reads key/value head h // (H_q / H_kv)."""
     width = v.shape[-1]
     pad = lambda t: F.pad(t, (0, max(0, _MIN_HEAD_DIM - t.shape[-1])))  # noqa: E731
     q, k, v = pad(q), pad(k), pad(v)
-    if q.device.type == "cpu":  # the eager reference (see the module docstring)
+    gqa = k.shape[1] != q.shape[1]
+    if q.device.type not in COMPILED_DEVICES or q.dtype == torch.float64:  # the eager reference (docstring)
         options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
         out, lse_base2, _ = _flex_reference(q, k, v, _same_score, block_mask.as_tuple(), 1.0, options)  # GQA too
         lse = lse_base2 * math.log(2)  # the reference returns the kernels' base-2 lse
-    else:
-        attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
-        options = dict(scale=1.0, enable_gqa=k.shape[1] != q.shape[1], kernel_options=_KERNEL_OPTIONS)
-        out, aux = attend(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True), **options)
+    elif torch.compiler.is_compiling():  # inside a compiled model: traced into its graph
+        out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=1.0, enable_gqa=gqa,
+                                  return_aux=AuxRequest(lse=True), kernel_options=_KERNEL_OPTIONS)  # fmt: skip
         lse = aux.lse
+    else:
+        out, lse = _run_compiled(q, k, v, block_mask, gqa)
     return out[..., :width], lse.to(out.dtype)  # the Triton kernel keeps lse in float32
 
 
+def _run_compiled(q, k, v, block_mask, gqa: bool):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    configuration = (COMPILE_BACKEND, q.device.type, q.dtype, grad, q.shape[1], k.shape[1], q.shape[-1],
+                     v.shape[-1], q.shape[0] == 1, q.shape[2] <= BLOCK)  # fmt: skip
+    attend = _compiled(configuration)
+    options = dict(scale=1.0, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    if COMPILE_BACKEND == "inductor":
+        options["kernel_options"] = _KERNEL_OPTIONS
+    # past the recompile limit Dynamo would run flex eagerly (O(n^2) memory) with a warning
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        out, aux = attend(q, k, v, block_mask=block_mask, **options)
+    return out, aux.lse
+
+
+@full_precision
 def flex(
     query,
     key,
@@ -169,7 +130,7 @@ def flex(
     channel c, a group axis of size 1 shared by every group)."""
     if structure.prior is not None:
         raise ValueError("the flex kernel has no head prior (adaptive span); use kernel='naive'")
-    groups, channels = _group_count(structure), query.shape[3]
+    groups, channels = group_count(structure), query.shape[3]
     if query.shape[2] not in (1, groups):
         raise ValueError(f"query must have a group axis of 1 or K = {groups} (the structure's), got {query.shape[2]}")
     if bias is not None and tuple(bias.shape) != (groups, channels):
@@ -184,14 +145,9 @@ def flex(
     return HeadMessages(narrow(result.forward), narrow(result.reverse), narrow(result.lse), query=query, key=key)
 
 
-def _group_count(structure: HeadStructure) -> int:
-    """K: both directions' buckets, plus the virtual group where there are virtual nodes."""
-    return structure.virtual_group + (1 if structure.nodes.shape[1] > structure.n else 0)
-
-
 def _flex(query, key, value, value_rev, scale: float, structure: HeadStructure, messages: bool, bias) -> HeadMessages:
     B, N, slots, C, r = query.shape  # slots = 1: one projection shared by every group
-    K = _group_count(structure)
+    K = group_count(structure)
 
     def heads(t: torch.Tensor) -> torch.Tensor:  # [B, N, G, C, w] -> [B, C * G, N, w]
         return t.permute(0, 3, 2, 1, 4).reshape(B, C * t.shape[2], N, t.shape[-1])
@@ -204,7 +160,7 @@ def _flex(query, key, value, value_rev, scale: float, structure: HeadStructure, 
         out = out.sum(2, keepdim=True) if slots == 1 else out
         return out.permute(0, 3, 2, 1, 4)
 
-    forward_mask, reverse_mask = _block_masks(structure, K, C)
+    forward_mask, reverse_mask = block_masks(structure, K, C)
     key_h = heads(key)
     # the scale goes into the queries (any finite scale, 0 included)
     out, lse_parts = _attention(scale * query_heads(query), key_h, heads(value) if messages else key_h, forward_mask)

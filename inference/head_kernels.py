@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from inference.far_attention import ABSENT, MASKED, far_attention, flash_available
 from inference.head_structure import HeadMessages, HeadStructure
+from inference.kernel_precision import full_precision
 from inference.message_assembly import Part, assemble, band_scores
 from inference.null_softmax import softmax_with_null
 from inference.shared_heads import shared_heads
@@ -113,6 +114,7 @@ def naive_logits(query, key, scale, structure: HeadStructure, bias: torch.Tensor
     return logits.add_(torch.where(structure.arcs, 0.0, -math.inf).to(logits.dtype)[:, None])
 
 
+@full_precision
 def naive(
     query,
     key,
@@ -212,6 +214,7 @@ def _group_of(offset: int, structure: HeadStructure) -> int:
     return bucket if offset > 0 else structure.gamma + 1 + bucket
 
 
+@full_precision
 def fused(
     query,
     key,
@@ -272,7 +275,7 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
     n, gamma, reach = structure.n, structure.gamma, structure.reach
     m = N - n
     dtype = query.dtype
-    arcs, nodes, has_head = structure.arcs, structure.nodes, structure.has_head
+    nodes, has_head = structure.nodes, structure.has_head  # never structure.arcs: [B, N, N]
     token_nodes = nodes[:, :n, None]  # [B, n, 1]
     queries, keys, values, values_rev = _split_groups((query, key, value, value_rev))
 
@@ -292,7 +295,7 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
         q_k, key_k = queries[slot(k)], keys[slot(k)]
         lo, hi = max(0, -offset), n - max(0, offset)
         s = scale * band_scores(q_k, key_k, offset, n) + bias_of(k)
-        legal = arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)[..., None]  # [B, hi - lo, 1]
+        legal = structure.diagonal(offset)[..., None]  # [B, hi - lo, 1]
         band[offset] = F.pad(s.masked_fill(~legal, MASKED), (0, 0, lo, n - hi), value=MASKED)
 
     sides = _far_masks(structure)
@@ -311,9 +314,9 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
         q_v, key_v = (g[slot(kv)].transpose(1, 2) for g in (queries, keys))  # [B, C, N, r]
         bias_v = 0.0 if bias is None else bias[kv][:, None, None]  # [C, 1, 1]
         virtual_cols = scale * (q_v[..., :n, :] @ key_v[..., n:, :].transpose(-1, -2)) + bias_v  # [B, C, n, m]
-        virtual_cols = virtual_cols.masked_fill(~arcs[:, None, :n, n:], MASKED)
+        virtual_cols = virtual_cols.masked_fill(~structure.border[0][:, None], MASKED)
         virtual_rows = scale * (q_v[..., n:, :] @ key_v.transpose(-1, -2)) + bias_v  # [B, C, m, N]
-        virtual_rows = virtual_rows.masked_fill(~arcs[:, None, n:, :], MASKED)
+        virtual_rows = virtual_rows.masked_fill(~structure.border[1][:, None], MASKED)
 
     # 2. the row log-normaliser: log-sum-exp over the parts, plus the null head
     null = torch.where(has_head, MASKED, 0.0).to(dtype)[..., None]  # [B, N, 1]
@@ -371,6 +374,7 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
     return HeadMessages(stacked[:, :, 0], stacked[:, :, 1], lse, stacked=stacked)
 
 
+@full_precision
 def log_normaliser(
     query,
     key,

@@ -1,29 +1,70 @@
 """What a head kernel reads and returns, as data: the arcs of one batch (``HeadStructure``)
 and the head messages (``HeadMessages``). The kernels (``inference.head_kernels``,
-``inference.flex_kernel``) are functions of them."""
+``inference.flex_kernel``) are functions of them.
+
+Memory: a structure holds O(B N) per batch. The token arcs are the topology's own table
+(``token_arcs [n, n]``, cached once per (topology, n, device) by ``graphs.Topology.mask``),
+the arcs touching virtual nodes are ``border`` (``[B, n, m]`` and ``[B, m, N]``), and the rows
+with a legal head (``has_head``) are counted from prefix sums over the nodes on a band
+topology. The ``[B, N, N]`` arcs and the ``[N, N]`` distance groups are built only when a
+kernel that materialises them (the naive one, the explicit ELBO) reads them, once.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from graphs.distances import distance_groups
 
 __all__ = ["HeadStructure", "HeadMessages"]
 
+# float copies of non-band token tables (has_head's counts), newest last: key -> (table, copy)
+_FLOAT_TABLES: dict = {}
+_FLOAT_TABLES_KEPT = 8
 
-@dataclass
+
 class HeadStructure:
-    """Everything a kernel needs to know about the arcs of one batch."""
+    """Everything a kernel needs to know about the arcs of one batch.
 
-    n: int  # tokens
-    gamma: int
-    groups: torch.Tensor  # [N, N] long
-    arcs: torch.Tensor  # [B, N, N] bool: topology & existing nodes
-    nodes: torch.Tensor  # [B, N] bool
-    token_arcs: torch.Tensor  # [n, n] bool: the topology alone, between tokens
-    band: tuple[float, float] | None = None  # the topology's token offsets, if a band
-    prior: torch.Tensor | None = None  # [C, N, N] log prior on heads (adaptive span); naive only
-    cuts: tuple[int, ...] | None = None  # distance buckets' cut points (None: 2 .. gamma + 1)
+    Args:
+        n: tokens; gamma, cuts: the distance buckets (``cuts`` None: 2 .. gamma + 1).
+        nodes: ``[B, N]`` bool, the nodes each row has (tokens, then the m virtual nodes).
+        token_arcs: ``[n, n]`` bool, the topology alone between tokens.
+        groups: ``[N, N]`` long distance groups, or None (built on first read).
+        arcs: ``[B, N, N]`` bool (topology and existing nodes), or None (built on first read
+            from the token table, the nodes and ``border``).
+        band: the topology's token offsets ``(left, right)`` if a band.
+        prior: ``[C, N, N]`` log prior on heads (adaptive span); the naive kernel only.
+        border: ``(token_to_virtual [B, n, m], virtual_rows [B, m, N])``, the arcs touching a
+            virtual node (existing nodes only), or None (sliced from ``arcs``).
+        topology: the ``graphs.Topology`` (a cache key for the kernels' tables), or None.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        gamma: int,
+        nodes: torch.Tensor,
+        token_arcs: torch.Tensor,
+        groups: torch.Tensor | None = None,
+        arcs: torch.Tensor | None = None,
+        band: tuple[float, float] | None = None,
+        prior: torch.Tensor | None = None,
+        cuts: tuple[int, ...] | None = None,
+        border: tuple[torch.Tensor, torch.Tensor] | None = None,
+        topology=None,
+    ):
+        self.n, self.gamma, self.nodes, self.token_arcs = n, gamma, nodes, token_arcs
+        self.band, self.prior, self.cuts, self.topology = band, prior, cuts, topology
+        self._groups, self._arcs, self._border, self._has_head = groups, arcs, border, None
+        self.cache: dict = {}  # what a kernel derives from this batch once (flex's block masks)
+
+    def __repr__(self) -> str:
+        return f"HeadStructure(n={self.n}, nodes={list(self.nodes.shape)}, gamma={self.gamma}, band={self.band})"
 
     @property
     def bucket_cuts(self) -> tuple[int, ...]:
@@ -37,12 +78,104 @@ class HeadStructure:
         return cuts[-1] - 1 if cuts else 0
 
     @property
-    def has_head(self) -> torch.Tensor:
-        return self.arcs.any(-1)
-
-    @property
     def virtual_group(self) -> int:
         return 2 * (self.gamma + 1)
+
+    @property
+    def virtual(self) -> int:
+        """m, the number of virtual nodes."""
+        return self.nodes.shape[1] - self.n
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """``[N, N]`` long: each arc's distance group (built on first read)."""
+        if self._groups is None:
+            N = self.nodes.shape[1]
+            self._groups = distance_groups(self.n, self.gamma, N - self.n, self.nodes.device, self.cuts)
+        return self._groups
+
+    @property
+    def arcs(self) -> torch.Tensor:
+        """``[B, N, N]`` bool: the topology's arcs between existing nodes (built on first read)."""
+        if self._arcs is None:
+            n, nodes = self.n, self.nodes
+            tokens = self.token_arcs[None] & nodes[:, :n, None] & nodes[:, None, :n]
+            to_virtual, virtual_rows = self.border
+            self._arcs = torch.cat([torch.cat([tokens, to_virtual], -1), virtual_rows], 1)
+        return self._arcs
+
+    @arcs.setter
+    def arcs(self, arcs: torch.Tensor) -> None:
+        self._arcs, self._border, self._has_head = arcs, None, None
+        self.cache.clear()
+
+    @property
+    def border(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(token_to_virtual [B, n, m], virtual_rows [B, m, N])``: the arcs touching a
+        virtual node."""
+        if self._border is None:
+            n, nodes = self.n, self.nodes
+            if self._arcs is not None:
+                self._border = (self._arcs[:, :n, n:], self._arcs[:, n:, :])
+            elif self.virtual == 0:
+                self._border = (nodes.new_zeros(nodes.shape[0], n, 0), nodes.new_zeros(nodes.shape[0], 0, n))
+            else:
+                raise ValueError("a structure with virtual nodes needs its arcs or their border")
+        return self._border
+
+    def diagonal(self, offset: int) -> torch.Tensor:
+        """``[B, n - |offset|]`` bool: is (i, i + offset) an arc, for the rows where both exist
+        (views of the token table and the nodes: nothing ``[B, n, n]``)."""
+        n, nodes = self.n, self.nodes
+        lo, hi = max(0, -offset), n - max(0, offset)
+        if self._arcs is not None:  # given explicitly: the arcs are the truth
+            return self._arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)
+        return self.token_arcs.diagonal(offset)[None] & nodes[:, lo:hi] & nodes[:, lo + offset : hi + offset]
+
+    @property
+    def has_head(self) -> torch.Tensor:
+        """``[B, N]`` bool: rows with at least one legal head."""
+        if self._has_head is None:
+            if self._arcs is not None:
+                self._has_head = self._arcs.any(-1)
+            else:
+                to_virtual, virtual_rows = self.border
+                tokens = self._token_has_head() | to_virtual.any(-1)
+                self._has_head = torch.cat([tokens, virtual_rows.any(-1)], 1)
+        return self._has_head
+
+    def _token_has_head(self) -> torch.Tensor:
+        """``[B, n]``: token rows with a token head. A band: counted from prefix sums of the
+        nodes (O(B n)); any other table: one product with a float copy of it, kept per table."""
+        n, real = self.n, self.nodes[:, : self.n]
+        if self.band is not None:
+            left, right = band_limits(self.band, n)
+            prefix = F.pad(real.to(torch.int32).cumsum(1, dtype=torch.int32), (1, 0))  # [B, n + 1]
+            rows = torch.arange(n, device=real.device)
+            count = prefix[:, (rows + right + 1).clamp(max=n)] - prefix[:, (rows - left).clamp(min=0)]
+            return real & (count - real.to(torch.int32) > 0)  # the row's own token is no head
+        table = _float_table(self.token_arcs)
+        return real & ((real.to(table.dtype) @ table.T) > 0.5)
+
+
+def _float_table(token_arcs: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a bool table, kept for the table's lifetime in a small cache (the
+    topology's own table is cached per (n, device), so one copy serves every batch)."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # a traced graph keeps no cache
+        return token_arcs.to(torch.float32)
+    key = (token_arcs.data_ptr(), tuple(token_arcs.shape), token_arcs.stride(), token_arcs.device)
+    cached = _FLOAT_TABLES.get(key)
+    if cached is None:
+        cached = (token_arcs, token_arcs.to(torch.float32))
+        _FLOAT_TABLES[key] = cached  # holds the table: its address is not reused while kept
+        while len(_FLOAT_TABLES) > _FLOAT_TABLES_KEPT:
+            _FLOAT_TABLES.pop(next(iter(_FLOAT_TABLES)))
+    return cached[1]
+
+
+def band_limits(band: tuple[float, float], n: int) -> tuple[int, int]:
+    """A band's ``(left, right)`` as integers no wider than the sentence."""
+    return tuple(n if side == math.inf else min(int(side), n) for side in band)
 
 
 @dataclass

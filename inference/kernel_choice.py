@@ -94,6 +94,7 @@ def heads(engine, query, key, value, value_rev, structure, kernel, previous=None
         raise ValueError(f"only the fused kernel reads projections onto some groups, not {kernel!r}")
     if kernel in ("fused", "flex"):
         options = dict(compute_dtype=fused_compute_dtype(engine, scale), bias=engine.head_bias())
+        kernel = _flex_or_fused(kernel, query, options["compute_dtype"])
         if kernel == "fused":
             return head_kernels.fused(query, key, value, value_rev, scale, structure, **options, groups=groups)
         return flex_kernel.flex(query, key, value, value_rev, scale, structure, **options)
@@ -119,7 +120,26 @@ def log_normaliser(engine, query, key, structure, kernel) -> torch.Tensor:
     """``[B, C, N]`` row log-normalisers of the head logits at scale 1 (what the ELBO reads),
     through ``kernel``, 0 on rows with no legal head."""
     wide = fused_compute_dtype(engine, 1.0) if kernel in ("fused", "flex") else None
+    kernel = _flex_or_fused(kernel, query, wide)
     if kernel == "flex":
         options = dict(messages=False, compute_dtype=wide, bias=engine.head_bias())
         return flex_kernel.flex(query, key, key, query, 1.0, structure, **options).lse
     return head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide, engine.head_bias())
+
+
+def _flex_or_fused(kernel: str, query: torch.Tensor, compute_dtype: torch.dtype | None) -> str:
+    """The flex kernel where it is sound, else the fused one or a refusal. float64 on CUDA runs
+    the fused kernel (tested in float64; flex's Triton kernel is not). On the CPU flex runs its
+    eager reference, which materialises the scores and whose compiled form has no backward:
+    training with it there is refused, naming the kernel that trains on the CPU."""
+    if kernel != "flex":
+        return kernel
+    if query.device.type == "cuda" and torch.float64 in (compute_dtype, query.dtype):
+        return "fused"
+    if not flex_kernel.flex_available(query.device) and torch.is_grad_enabled() and query.requires_grad:
+        raise ValueError(
+            f"kernel='flex' cannot train on {query.device.type!r}: flex_attention has no backward there "
+            "(its eager reference materialises every score); use kernel='fused' to train, or run kernel='flex' "
+            "without gradients (torch.no_grad() or inference)"
+        )
+    return kernel

@@ -205,16 +205,18 @@ class MeanField(nn.Module):
             tokens, mask = crf.check_inputs(tokens, mask)
         crf.check_parameters()
         n = tokens.shape[1]
+        # memory linear in n: the [B, N, N] arcs and [N, N] groups are built only if a
+        # materialising kernel reads them (HeadStructure's docstring)
         structure = HeadStructure(
             n=n,
             gamma=crf.gamma,
             cuts=crf.distance_cuts,
-            groups=crf.distance_groups(n, tokens.device),  # built there: no copy from the CPU
-            arcs=crf.arc_mask(mask),
             nodes=crf.node_mask(mask),
             token_arcs=crf.topology.mask(n, tokens.device)[:n, :n],  # a cached copy per (n, device)
+            border=crf.topology.border(mask),
             band=crf.topology.band,
             prior=None if self.span is None else self.span_prior(n, crf.topology.num_nodes(n)),
+            topology=crf.topology,
         )
         return tokens, mask, structure
 

@@ -29,6 +29,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from inference.kernel_precision import full_precision
+
 __all__ = ["shared_heads"]
 
 LOG2_E = 1.0 / math.log(2.0)
@@ -154,6 +156,7 @@ class _SharedHeads(torch.autograd.Function):
         return grad_query, grad_key, None, grad_additive, None, grad_value, grad_value_rev
 
 
+@full_precision
 def shared_heads(query, key, scale: float, additive, arcs, value, value_rev):
     """``(P [B, C, N, N], lse [B, C, N], P V [B, N, C, r], P^T V_rev [B, N, C, r])`` for
     token-major projections ``[B, N, C, r]``: the head logits ``scale q_i . k_j +

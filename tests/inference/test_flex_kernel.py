@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import graphs
-from inference import flex_kernel, head_kernels, mean_field
+from inference import flex_kernel, flex_masks, head_kernels, kernel_choice, mean_field
 from inference.flex_kernel import flex
 from inference.head_kernels import HeadStructure
 
@@ -218,7 +218,7 @@ def test_flex_traces_into_one_graph_and_equals_eager():
 
 @pytest.mark.parametrize("form", ["low_rank", "shared"])
 @pytest.mark.parametrize("topology", ["causal", "full | root()"])
-def test_mean_field_with_flex_equals_naive(topology, form):
+def test_mean_field_with_flex_equals_naive(topology, form, monkeypatch):
     """The whole engine: logits, ELBO and parameter gradients, with padding."""
     torch.manual_seed(0)
     options = dict(vocab_size=9, labels=4, channels=2, rank=3, global_labels=2, topology=topology, gamma=[2, 4])
@@ -229,12 +229,40 @@ def test_mean_field_with_flex_equals_naive(topology, form):
     tokens = torch.randint(0, 9, (2, 10))
     mask = torch.arange(10)[None] < torch.tensor([[10], [6]])
     results = {}
+    # the engine refuses to train with flex on the CPU (test_flex_refuses_training_on_the_cpu);
+    # its eager reference is differentiable, which this comparison needs
+    monkeypatch.setattr(flex_kernel, "flex_available", lambda device: True)
     for kernel in ("naive", "flex"):
         crf.zero_grad()
         post = mean_field.MeanField(crf, iterations=3, kernel=kernel, weights="reference")(tokens, mask)
         (post.logits.square().sum() + post.elbo.sum()).backward()
         results[kernel] = [post.logits.detach(), post.elbo.detach(), *(p.grad.clone() for p in crf.parameters())]
     assert_all_close(results["flex"], results["naive"], atol=1e-9, rtol=1e-9)
+
+
+def test_flex_refuses_training_on_the_cpu_and_runs_without_gradients():
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=9, labels=4, channels=2, rank=3, topology="causal").double()
+    tokens = torch.randint(0, 9, (2, 7))
+    engine = mean_field.MeanField(crf, iterations=2, kernel="flex")
+    with pytest.raises(ValueError, match="kernel='flex' cannot train on 'cpu'.*kernel='fused'"):
+        engine(tokens)
+    with torch.no_grad():
+        flex_logits = engine(tokens).logits
+        naive_logits = mean_field.MeanField(crf, iterations=2, kernel="naive")(tokens).logits
+    torch.testing.assert_close(flex_logits, naive_logits, atol=1e-10, rtol=1e-10)
+
+
+def test_float64_on_cuda_runs_the_fused_kernel(monkeypatch):
+    """The Triton kernel is not tested in float64: the engine routes float64 on CUDA to the
+    fused kernel (its choice, read without a GPU)."""
+    query = torch.zeros(1, 2, 1, 1, 1, dtype=torch.float64)
+    cuda_query = type("OnCuda", (), {"device": torch.device("cuda"), "dtype": torch.float64})()
+    assert kernel_choice._flex_or_fused("flex", cuda_query, None) == "fused"
+    cuda_float32 = type("OnCuda", (), {"device": torch.device("cuda"), "dtype": torch.float32})()
+    assert kernel_choice._flex_or_fused("flex", cuda_float32, torch.float64) == "fused"
+    assert kernel_choice._flex_or_fused("flex", cuda_float32, None) == "flex"
+    assert kernel_choice._flex_or_fused("fused", query, None) == "fused"
 
 
 def test_auto_picks_flex_on_cuda_and_flex_refuses_what_it_cannot_do():
@@ -283,8 +311,13 @@ def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, s
     forward and the (transposed) reverse mask, and in the backward's column-major lists."""
     channels = 2
     structure, projections = batch(topology, buckets, n, channels)
+    if some_full:  # padding only at the end: a block is full only where every sentence has all its nodes
+        crf = graphs.CRF(vocab_size=5, labels=3, channels=channels, rank=3, topology=topology, gamma=buckets)
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, n - 3 :] = False
+        structure = structure_of(crf, mask)
     K, N = projections[0].shape[2], structure.nodes.shape[1]
-    forward, reverse = flex_kernel._block_masks(structure, K, channels)
+    forward, reverse = flex_masks.block_masks(structure, K, channels)
     head_group = torch.arange(channels * K) % K  # head h = c * K + k
     arcs = structure.arcs[:, None] & (structure.groups == head_group[:, None, None])  # [B, H, N, N]
     for block_mask, expected in ((forward, arcs), (reverse, arcs.transpose(-1, -2))):
