@@ -133,11 +133,8 @@ def _attention(attention: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
     column_valid = mass.sum(-1) > 0  # [L, B, H]
     columns = ess(torch.where(column_valid[..., None], mass, 1.0), dim=-1) / count[None, :, None]
     columns = torch.where(column_valid, columns, math.nan)
-    log_mass = torch.where(real_queries, mass.clamp(min=1e-300).log(), -math.inf)
-    log_mass = torch.where(column_valid[..., None], log_mass, 0.0)  # a stand-in, set to NaN below
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # short sentences: nan k-hat, flagged in attrs
-        k_mass = np.where(column_valid.numpy(), pareto_k(log_mass).k, np.nan)  # [L, B, H]
+    log_mass = torch.where(column_valid[..., None], mass.clamp(min=1e-300).log(), 0.0)  # 0: a stand-in, NaN below
+    k_mass = np.where(column_valid.numpy(), _pareto_k_per_sentence(log_mass, mask, sentence_dim=1), np.nan)
 
     by_sentence = (1, 0, 2)  # [L, B, H] -> [B, L, H]
     dims = (DRAW, result.depth, result.width)
@@ -154,9 +151,8 @@ def _log_weights(log_weights: torch.Tensor, mask: torch.Tensor, count: torch.Ten
     log_weights = torch.where(mask[None], log_weights[..., :n].double().cpu(), -math.inf)  # padding weighs 0
     dims = (DRAW, result.depth)
     result.add("smc_ess", dims, (ess(log_weights=log_weights) / count).T)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        result.add("smc_pareto_k", dims, _finite_or_nan(pareto_k(log_weights).k.T))  # [B, L]
+    k_hat = _pareto_k_per_sentence(log_weights, mask, sentence_dim=1)  # [L, B]
+    result.add("smc_pareto_k", dims, _finite_or_nan(k_hat.T))  # [B, L]
     stored = torch.where(mask[None], log_weights, math.nan).permute(1, 0, 2)  # [B, L, n]
     result.add("smc_log_weights", (*dims, PARTICLE), stored)
 
@@ -169,6 +165,25 @@ def _routing(routing: list[dict], mask: torch.Tensor, result: Measures) -> None:
     clusters = max(h.shape[-1] for h in held)
     padded = [torch.nn.functional.pad(h, (0, clusters - h.shape[-1]), value=math.nan) for h in held]
     result.add("cluster_tokens", (DRAW, result.depth, CLUSTER), torch.stack(padded, 1))  # [B, L, C]
+
+
+def _pareto_k_per_sentence(log_weights: torch.Tensor, mask: torch.Tensor, sentence_dim: int) -> np.ndarray:
+    """k-hat of ``log_weights [..., B, ..., n]`` (the sentences on ``sentence_dim``, the draws
+    last), each sentence fitted on its own real tokens only: a padded position is no draw
+    (counted as a weight of zero it would lengthen the sample and shift the tail). So a
+    sentence with fewer than ``MIN_PSIS_DRAWS`` real tokens gets NaN, whatever it is padded to.
+    Sentences of the same real length are fitted together (one ArviZ call per length)."""
+    weights = log_weights.movedim(sentence_dim, 0)  # [B, ..., n]
+    k_hat = np.full(tuple(weights.shape[:-1]), np.nan)
+    lengths = mask.sum(-1)
+    for length in lengths.unique().tolist():
+        rows = (lengths == length).nonzero().flatten()
+        # the real tokens of each of these rows, in order: [rows, ..., length]
+        real = torch.stack([weights[row][..., mask[row]] for row in rows.tolist()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # short sentences: nan k-hat, flagged in attrs
+            k_hat[rows.numpy()] = pareto_k(real).k
+    return np.moveaxis(k_hat, 0, sentence_dim)
 
 
 def _masked_mean(values: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.Tensor:
