@@ -22,6 +22,8 @@ _LAZY = {
     "GibbsResult": "inference.gibbs",
     "SMC": "inference.smc",
     "SMCResult": "inference.smc",
+    "TemperedSMC": "inference.tempered_smc",
+    "TemperedSMCResult": "inference.tempered_smc",
     "mean_field_guide": "inference.svi",
 }
 
