@@ -133,11 +133,11 @@ class KeySpan:
         return self.width != math.inf or self.segment is not None
 
     def rows_per_block(self, n: int) -> int:
-        """Query rows per block: about the span's own scale (a block's keys are its rows
+        """Query rows per block: half the span's own scale (a block's keys are its rows
         plus the span, so smaller blocks read fewer unreachable keys), at least 32 (each
         block is one call of the op), at most ``query_block(n)``."""
         scale = min(self.width, self.segment if self.segment is not None else math.inf)
-        return int(max(32, min(query_block(n), scale)))
+        return int(max(32, min(query_block(n), scale / 2)))
 
     def tokens(self, lo: int, hi: int, n: int) -> tuple[int, int]:
         """``[start, stop)``: every key some row ``lo <= i < hi`` may see."""
@@ -173,8 +173,31 @@ def _key_slice(lo: int, hi: int, n: int, shift: int, side: str, span: KeySpan) -
     return slice(*keys)
 
 
+# the blocks of a token mask, newest last: key -> (token mask, blocks). The topology's mask is
+# one tensor per (n, device) (``graphs.Topology.mask``), so every iteration and batch of that
+# length reads the same blocks: built once, not per call
+_BLOCKS: dict = {}
+_BLOCKS_KEPT = 16
+
+
 def _blocks(n: int, shift: int, side: str, token_mask, dtype, device, span: KeySpan = UNBOUNDED):
-    """``[(rows, keys, mask [1, 1, rows, keys])]``, one per query block, as slices."""
+    """``[(rows, keys, mask [1, 1, rows, keys])]``, one per query block, as slices; those of a
+    token mask kept for the mask's lifetime in a small cache."""
+    if token_mask is None or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return _build_blocks(n, shift, side, token_mask, dtype, device, span)
+    layout = (token_mask.data_ptr(), tuple(token_mask.shape), token_mask.stride(), token_mask.device)
+    key = (layout, n, shift, side, span, dtype, torch.device(device))
+    cached = _BLOCKS.get(key)
+    if cached is None:
+        # holding the mask keeps its address from being reused while the entry lives
+        cached = (token_mask, _build_blocks(n, shift, side, token_mask, dtype, device, span))
+        _BLOCKS[key] = cached
+        while len(_BLOCKS) > _BLOCKS_KEPT:  # the oldest first
+            _BLOCKS.pop(next(iter(_BLOCKS)))
+    return cached[1]
+
+
+def _build_blocks(n: int, shift: int, side: str, token_mask, dtype, device, span: KeySpan):
     if token_mask is None and side == "left" and n >= NATIVE_CAUSAL_FROM:  # the op's causal mode
         return [(slice(0, n), slice(0, n), None)]
     if token_mask is None and span.bounded:
