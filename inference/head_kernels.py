@@ -56,7 +56,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from inference.far_attention import ABSENT, MASKED, far_attention, flash_available
+from inference.far_attention import ABSENT, MASKED, KeySpan, far_attention, flash_available
 from inference.head_structure import HeadMessages, HeadStructure
 from inference.kernel_precision import full_precision
 from inference.message_assembly import Part, assemble, band_scores
@@ -184,6 +184,21 @@ def _far_masks(structure: HeadStructure):
     return sides
 
 
+def _far_spans(structure: HeadStructure) -> dict:
+    """Per far side: ``(span of its rows' keys, span of the transposed attention's)`` as
+    ``KeySpan``s, from the topology's data (a band's reach, a segment length), never from the
+    mask: the far attentions read only the keys in them (the mask still decides each arc)."""
+    spans = {}
+    for index, side in enumerate(("left", "right")):
+        width = structure.band[index] if structure.band is not None else math.inf
+        length = getattr(structure.topology, "segment_length", None)
+        if length is None:
+            spans[side] = (KeySpan(width=width), KeySpan(width=width))
+        else:  # arcs reach the segment before; their transposes the segment after
+            spans[side] = (KeySpan(width, length, before=1), KeySpan(width, length, after=1))
+    return spans
+
+
 def _band_offsets(structure: HeadStructure) -> list[int]:
     """The near diagonals that can hold an arc: |offset| <= reach, inside the topology's band
     (a diagonal outside it is all illegal: zero weight, so it is not computed)."""
@@ -299,6 +314,7 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
         band[offset] = F.pad(s.masked_fill(~legal, MASKED), (0, 0, lo, n - hi), value=MASKED)
 
     sides = _far_masks(structure)
+    spans = _far_spans(structure)
     shift = reach + 1
     far = {}
     for side, k in (("right", gamma), ("left", 2 * gamma + 1)):
@@ -306,7 +322,7 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
             continue
         key_bias = torch.where(token_nodes, bias_of(k), ABSENT).to(dtype).expand(B, n, C)
         q_k, key_k, v_k = (g[slot(k)][:, :n] for g in (queries, keys, values))
-        out, lse = far_attention(q_k, key_k, v_k, key_bias, scale, shift, side, sides[side], flash)
+        out, lse = far_attention(q_k, key_k, v_k, key_bias, scale, shift, side, sides[side], flash, spans[side][0])
         far[side] = (k, out, torch.where(token_nodes, lse.transpose(1, 2), MASKED))
 
     if m:
@@ -351,7 +367,7 @@ def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messag
         mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
         key_bias = torch.where(token_nodes, bias_of(k) - lse_tokens, ABSENT)
         q_k, key_k, v_rev = (g[slot(k)][:, :n] for g in (keys, queries, values_rev))
-        out_rev, lse_rev = far_attention(q_k, key_k, v_rev, key_bias, scale, shift, swap, mask, flash)
+        out_rev, lse_rev = far_attention(q_k, key_k, v_rev, key_bias, scale, shift, swap, mask, flash, spans[side][1])
         # a padding head has no dependent: drop its row before exp() (its raw scores may be huge).
         # lse_rev = log sum_j P(j -> i) <= log n exactly, but each term is exp(score - lse_j)
         # with lse_j rounded elsewhere: past ~1e7 in float32 that can overflow, so cap it

@@ -158,6 +158,7 @@ def structure_of(crf, mask):
         nodes=crf.node_mask(mask),
         token_arcs=crf.topology.mask(n)[:n, :n],
         band=crf.topology.band,
+        topology=crf.topology,
     )
 
 
