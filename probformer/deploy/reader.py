@@ -1,7 +1,9 @@
 """Load what ``probformer.export`` wrote, trusting nothing in the file to be code.
 
     load(path)   a torch folder -> the model (``LogitsOnly``, eval, no grad), read by
-                 ``probformer.models.pretrained`` (the folder ``save_pretrained`` writes)
+                 ``probformer.models.pretrained`` (the folder ``save_pretrained`` writes,
+                 which is also a training checkpoint and a run's ``model/``; a run
+                 folder reads as its model)
                  a .pt2 file    -> ``CheckedProgram``: the ExportedProgram behind input checks
                  an .onnx file  -> ``CheckedOnnx``: an onnxruntime session behind input checks
 
@@ -41,8 +43,8 @@ def load(path):
     what probformer writes, ``FileNotFoundError`` when nothing is there."""
     path = Path(path)
     try:
-        if path.is_dir():  # the folder save_pretrained writes: read by the one reader of it
-            model = pretrained.load_files(pretrained.folder_files(path))
+        if path.is_dir():  # the one model folder (an export, a checkpoint, a run's model): its one reader
+            model = pretrained.load_files(pretrained.folder_files(pretrained.model_folder(path)))
             return registry.LogitsOnly(model).eval().requires_grad_(False)
         if not path.is_file():
             raise FileNotFoundError(f"no exported model at {path}")

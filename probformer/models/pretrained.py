@@ -13,7 +13,13 @@ the record ``{"format": "probformer-torch/2", "model": kind, "config": {...}}``:
 picks the class (``registry.KINDS``), the config is checked by its config class, and the
 weights against a model built from it, before anything is allocated at full size. Nothing
 in the folder is ever run: weights come from safetensors, never from pickle, and any file
-other than config.json, model.safetensors, vocabulary.json and tokenizer.json is refused.
+other than config.json, model.safetensors, vocabulary.json and tokenizer.json is refused,
+except a training checkpoint's state beside the model (training.json, training.safetensors,
+tags.json: data, never read here).
+
+One model folder: a training run's ``model/``, each of its checkpoints and a torch export
+are this folder (``probformer-checkpoint/1``, what runs wrote before, reads the same way),
+and ``model_folder`` turns a run folder into its model, so every reader takes all of them.
 Why a mixin of our own and not huggingface_hub's: docs/models.md.
 """
 
@@ -22,7 +28,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,11 +39,24 @@ from torch import nn
 from probformer.models import registry
 from probformer.models.blocks import non_finite
 
-__all__ = ["PretrainedMixin", "save_pretrained", "from_pretrained", "load_files", "folder_files", "TORCH_FORMAT"]
+__all__ = [
+    "PretrainedMixin",
+    "save_pretrained",
+    "from_pretrained",
+    "load_files",
+    "folder_files",
+    "model_folder",
+    "TORCH_FORMAT",
+    "FOLDER_FORMATS",
+]
 
 TORCH_FORMAT = "probformer-torch/2"
+# the record a model folder may carry: the torch export's, and the one training runs wrote before
+FOLDER_FORMATS = (TORCH_FORMAT, "probformer-checkpoint/1")
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 FOLDER_FILES = (CONFIG_NAME, WEIGHTS_NAME, "vocabulary.json", "tokenizer.json")
+# a training checkpoint's state, kept beside the model files; data that no model reader opens
+TRAINING_FILES = ("training.json", "training.safetensors", "tags.json")
 # bytes read at most, checked on the file's size before reading it
 LIMITS = {"json": 64 << 20, "safetensors": 16 << 30}
 # "owner/name": what from_pretrained looks up on the Hugging Face hub when no such folder exists
@@ -81,15 +102,17 @@ def read_json(path: Path):
         raise ValueError(f"{path} is not valid JSON: {error}") from None
 
 
-def check_record(meta, expected_format: str, where, extra_keys=()) -> None:
+def check_record(meta, expected_format: str | tuple[str, ...], where, extra_keys=()) -> None:
     """A ``{"format", "model", "config"}`` record (plus ``extra_keys``, which the caller
-    checks): the format, a known kind and a config object."""
+    checks): the format (or one of the formats), a known kind and a config object."""
     keys = {"format", "model", "config"} | set(extra_keys)
     if not isinstance(meta, dict) or not {"format", "model", "config"} <= set(meta) <= keys:
         found = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{where}: the probformer record must have keys {sorted(keys)}; got {found}")
-    if meta["format"] != expected_format:
-        raise ValueError(f"{where}: format must be {expected_format!r}, got {meta['format']!r}")
+    formats = (expected_format,) if isinstance(expected_format, str) else tuple(expected_format)
+    if meta["format"] not in formats:
+        wanted = repr(formats[0]) if len(formats) == 1 else f"one of {list(formats)}"
+        raise ValueError(f"{where}: format must be {wanted}, got {meta['format']!r}")
     if not isinstance(meta["model"], str) or meta["model"] not in registry.KINDS:
         raise ValueError(f"{where}: unknown model kind {meta['model']!r}; known: {sorted(registry.KINDS)}")
     if not isinstance(meta["config"], dict):
@@ -103,6 +126,13 @@ def build_model(meta: dict, where, device: str = "meta") -> nn.Module:
     try:
         with torch.device(device):
             return registry.build(meta["model"], meta["config"]).eval()
+    except ImportError as error:  # a module the model's code needs, not the config: said as it is
+        module = error.name or str(error)
+        raise ImportError(
+            f"{where}: building the {meta['model']!r} model needs the module {module!r}, which cannot be "
+            f"imported: {error}",
+            name=error.name,
+        ) from error
     except Exception as error:  # the config classes raise ValueError/TypeError naming the key
         raise ValueError(f"{where}: bad model config: {error}") from None
 
@@ -167,8 +197,8 @@ def save_pretrained(model: nn.Module, save_directory) -> Path:
     weights = {name: t.detach().contiguous().cpu() for name, t in registry.unique_state(model).items()}
     check_finite(weights, f"cannot save the {kind}")
     folder = Path(save_directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    other = sorted(entry.name for entry in os.scandir(folder) if entry.name not in (CONFIG_NAME, WEIGHTS_NAME))
+    present = [entry.name for entry in os.scandir(folder)] if folder.is_dir() else []
+    other = sorted(name for name in present if name not in (CONFIG_NAME, WEIGHTS_NAME))
     if other:
         raise FileExistsError(
             f"{folder} holds {other[:5]}: a saved model's folder holds only {CONFIG_NAME} and {WEIGHTS_NAME} "
@@ -177,35 +207,85 @@ def save_pretrained(model: nn.Module, save_directory) -> Path:
     from safetensors.torch import save_file
 
     record = {"format": TORCH_FORMAT, "model": kind, "config": model.config.to_dict()}
-    # each file replaced whole: an interrupted save never leaves a half-written one
     metadata = {"format": TORCH_FORMAT, "model": kind}
-    _replace(folder / WEIGHTS_NAME, lambda p: save_file(weights, str(p), metadata=metadata))
-    _replace(folder / CONFIG_NAME, lambda p: p.write_text(json.dumps(record, indent=1)))
-    return folder
+    return write_folder(
+        folder,
+        {
+            WEIGHTS_NAME: lambda p: save_file(weights, str(p), metadata=metadata),
+            CONFIG_NAME: lambda p: p.write_text(json.dumps(record, indent=1)),
+        },
+    )
 
 
-def _replace(path: Path, write) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def write_folder(folder, writers: dict[str, Callable[[Path], None]], failure=None) -> Path:
+    """Write the files ``writers`` names (``{name: write(path)}``) into ``folder``, all or
+    nothing: each is written under a temporary name first, and only when all are written
+    are they renamed into place, so an interrupted save never leaves a half-written file
+    or a mix of old and new ones. A failure removes the temporaries and every folder this
+    call created, leaving the parent exactly as it was; ``failure(path, error)`` gives
+    the exception to raise for an error while writing ``path`` (None: the error itself)."""
+    folder = Path(folder)
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    staged: list[tuple[Path, Path]] = []
+    current = folder
     try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, write in writers.items():
+            current = folder / name
+            staged.append((folder / f".{name}.tmp-{os.getpid()}", current))
+            write(staged[-1][0])
+        for temporary, final in staged:
+            current = final
+            os.replace(temporary, final)
+    except BaseException as error:
+        for temporary, _ in staged:
+            temporary.unlink(missing_ok=True)
+        if created:  # the top-most folder this call made holds nothing of anyone else's
+            shutil.rmtree(created[-1], ignore_errors=True)
+        replacement = failure(current, error) if failure is not None and isinstance(error, Exception) else None
+        if replacement is None:
+            raise
+        raise replacement from None
+    return folder
 
 
 # ---- loading -------------------------------------------------------------------------------
 
 
+def model_folder(path) -> Path:
+    """The model folder that ``path`` names: ``path`` itself when it holds a config.json,
+    else a training run's ``model/`` folder, else the run's latest checkpoint (named by
+    ``checkpoints/latest``, for a run stopped before its end). ``FileNotFoundError`` when
+    ``path`` is none of them."""
+    path = Path(path)
+    if not path.is_dir() or (path / CONFIG_NAME).exists():
+        return path
+    if (path / "model" / CONFIG_NAME).is_file():
+        return path / "model"
+    pointer = path / "checkpoints" / "latest"
+    if pointer.is_file():
+        checkpoint = pointer.parent / pointer.read_text().strip()
+        if not checkpoint.is_dir():
+            raise FileNotFoundError(f"{pointer} names {checkpoint.name}, which does not exist")
+        return checkpoint
+    if (path / "run.json").is_file():
+        raise FileNotFoundError(f"{path} is a training-run folder with no model yet (no model/, no checkpoint)")
+    return path  # read as a model folder: its own errors name what is missing
+
+
 def folder_files(folder: Path) -> dict[str, Path]:
-    """The folder's files, refusing symlinks, subfolders and any name not in FOLDER_FILES
-    (a .py, .pkl, .bin or .pt beside the weights is refused, not ignored)."""
+    """The folder's model files, refusing symlinks, subfolders and any name not in
+    FOLDER_FILES or TRAINING_FILES (a .py, .pkl, .bin or .pt beside the weights is refused,
+    not ignored); the training files are allowed and left out of what it returns."""
     files = {}
+    allowed = FOLDER_FILES + TRAINING_FILES
     for entry in os.scandir(folder):
         if entry.is_symlink():
             raise ValueError(f"{folder}: {entry.name!r} is a symlink; a model folder holds regular files only")
-        if entry.name not in FOLDER_FILES or not entry.is_file(follow_symlinks=False):
-            raise ValueError(f"{folder}: unexpected {entry.name!r}; a model folder holds only {list(FOLDER_FILES)}")
-        files[entry.name] = Path(entry.path)
+        if entry.name not in allowed or not entry.is_file(follow_symlinks=False):
+            raise ValueError(f"{folder}: unexpected {entry.name!r}; a model folder holds only {list(allowed)}")
+        if entry.name in FOLDER_FILES:
+            files[entry.name] = Path(entry.path)
     for required in (CONFIG_NAME, WEIGHTS_NAME):
         if required not in files:
             raise FileNotFoundError(f"not a saved probformer model: {folder / required} is missing")
@@ -221,7 +301,7 @@ def load_files(files: dict[str, Path], kind: str | None = None) -> nn.Module:
 
     config_path, where = files[CONFIG_NAME], files[WEIGHTS_NAME]
     meta = read_json(config_path)
-    check_record(meta, TORCH_FORMAT, config_path)
+    check_record(meta, FOLDER_FORMATS, config_path)
     if kind is not None and meta["model"] != kind:
         raise ValueError(
             f"{config_path}: holds a {meta['model']!r} model, not a {kind!r}; "
@@ -271,17 +351,19 @@ def from_pretrained(
     local_files_only: bool = False,
     token=None,
 ) -> nn.Module:
-    """The model that ``save_pretrained`` (or ``probformer.export(..., format="torch")``)
-    wrote, as its trainable class in eval mode on ``map_location``. The argument is a
-    folder; if no such path exists and it reads ``owner/name``, the hub repo's four
-    allowed files are fetched with ``huggingface_hub`` (``revision``, ``cache_dir``,
-    ``local_files_only``, ``token`` as there) and read the same way. ``kind``: refuse a
-    folder holding another kind. ``ValueError`` for anything that is not exactly what
-    probformer writes, ``FileNotFoundError`` when nothing is there."""
+    """The model that ``save_pretrained`` (or ``probformer.export(..., format="torch")``,
+    or a training run) wrote, as its trainable class in eval mode on ``map_location``. The
+    argument is a model folder, a checkpoint folder or a training-run folder (its
+    ``model/``, else its latest checkpoint: ``model_folder``). If no such path exists and
+    it reads ``owner/name``, the hub repo's four allowed files are fetched with
+    ``huggingface_hub`` (``revision``, ``cache_dir``, ``local_files_only``, ``token`` as
+    there) and read the same way. ``kind``: refuse a folder holding another kind.
+    ``ValueError`` for anything that is not exactly what probformer writes,
+    ``FileNotFoundError`` when nothing is there."""
     path = Path(pretrained_model_name_or_path)
     try:
         if path.is_dir():
-            files = folder_files(path)
+            files = folder_files(model_folder(path))
         elif path.exists():
             raise ValueError(f"{path} is a file; from_pretrained takes the folder that save_pretrained wrote")
         elif HUB_REPO.fullmatch(str(pretrained_model_name_or_path)) and not path.parent.is_dir():

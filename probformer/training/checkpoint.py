@@ -1,28 +1,31 @@
-"""Checkpoints: a directory with ``config.json`` (format, model kind, config),
-``model.safetensors`` (weights; never pickle) and optionally ``vocabulary.json`` (and
-``tokenizer.json`` for a subword vocabulary).
+"""Checkpoints: the one model folder (``probformer.models.pretrained``): ``config.json``
+(format, model kind, config), ``model.safetensors`` (weights; never pickle) and optionally
+``vocabulary.json`` (and ``tokenizer.json`` for a subword vocabulary). A run's ``model/``,
+each checkpoint and a torch export are this folder, so ``probformer.from_pretrained``,
+``probformer.load`` and every CLI verb read all of them; a training checkpoint keeps its
+optimiser, step and RNG state beside the model files (``checkpointing``).
 
-Every file is written to a temporary name and renamed into place, so a killed
-process leaves either the old file or the new one; a failed write (disk full,
-permission denied) removes its temporary file and raises one ``WriteError`` naming
-the path. ``load`` refuses weights that are not finite, naming the tensor."""
+All files are written under temporary names and renamed into place only when every one
+is written, so a killed process leaves either the old files or the new ones; a failed
+write (disk full, permission denied) removes its temporary files and any folder the save
+created, and raises one ``WriteError`` naming the path. ``load`` refuses weights that are
+not finite, naming the tensor."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from probformer.models import registry
+from probformer.models import pretrained, registry
 from probformer.models.blocks import non_finite
 from probformer.training.data import SubwordVocabulary, Vocabulary
 
 __all__ = ["save", "load", "FORMAT", "WriteError", "write_failure", "check_finite"]
 
-FORMAT = "probformer-checkpoint/1"
+FORMAT = pretrained.TORCH_FORMAT  # one format with the torch export
 
 
 class WriteError(OSError):
@@ -60,17 +63,13 @@ def check_finite(tensors: dict, where) -> None:
         raise FloatingPointError(f"{where}: tensor {bad[0]!r}{more} holds non-finite values (NaN or infinity)")
 
 
-def _atomic_write(path: Path, write) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    except (OSError, SafetensorError) as error:
-        temporary.unlink(missing_ok=True)
-        raise write_failure(path, error) from None
+def _write_failure(path, error: BaseException):
+    return write_failure(path, error) if isinstance(error, OSError | SafetensorError) else None
 
 
 def save(model, directory, vocabulary: Vocabulary | None = None) -> Path:
+    """Write ``model`` (and its ``vocabulary``) into ``directory``, created if needed; all
+    files or none (``WriteError`` naming the path, the parent left as it was)."""
     directory = Path(directory)
     try:
         kind = registry.kind_of(model)
@@ -78,18 +77,16 @@ def save(model, directory, vocabulary: Vocabulary | None = None) -> Path:
         known = sorted(registry.KINDS)
         raise ValueError(f"cannot checkpoint a {type(model).__name__}; known models: {known}") from None
     meta = {"format": FORMAT, "model": kind, "config": model.config.to_dict()}
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise write_failure(directory, error) from None
     weights = {k: v.detach().contiguous().cpu() for k, v in registry.unique_state(model).items()}
-    _atomic_write(directory / "model.safetensors", lambda p: save_file(weights, str(p)))
-    _atomic_write(directory / "config.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+    writers = {
+        "model.safetensors": lambda p: save_file(weights, str(p), metadata={"format": FORMAT, "model": kind}),
+        "config.json": lambda p: p.write_text(json.dumps(meta, indent=1)),
+    }
     if vocabulary is not None:
-        _atomic_write(directory / "vocabulary.json", lambda p: p.write_text(json.dumps(vocabulary.words)))
+        writers["vocabulary.json"] = lambda p: p.write_text(json.dumps(vocabulary.words))
         if isinstance(vocabulary, SubwordVocabulary):
-            _atomic_write(directory / "tokenizer.json", vocabulary.save)
-    return directory
+            writers["tokenizer.json"] = vocabulary.save
+    return pretrained.write_folder(directory, writers, _write_failure)
 
 
 def _read_json(path: Path):
@@ -100,42 +97,23 @@ def _read_json(path: Path):
 
 
 def load(directory):
-    """``(model, vocabulary or None)`` from a checkpoint directory; a clear error for
-    anything that is not one (missing files, foreign format, wrong shapes, non-finite
-    weights)."""
-    directory = Path(directory)
-    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"not a probformer checkpoint: {path} is missing")
-    meta = _read_json(config_path)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(
-            f"{config_path}: format must be {FORMAT!r}, got {meta.get('format') if isinstance(meta, dict) else meta!r}"
-        )
-    if meta.get("model") not in registry.KINDS:
-        raise ValueError(f"{config_path}: unknown model {meta.get('model')!r}; known: {sorted(registry.KINDS)}")
-    model = registry.build(meta["model"], meta.get("config", {}), section="config")
+    """``(model, vocabulary or None)`` from a model folder (a checkpoint, a run's
+    ``model/``, a torch export) or a training-run folder (its ``model/``, else its latest
+    checkpoint), the model in training mode on the CPU; read by the one reader of the
+    folder (``pretrained.load_files``), so a clear error for anything that is not one
+    (missing files, foreign format, wrong shapes, non-finite weights)."""
+    directory = pretrained.model_folder(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"not a probformer checkpoint: {directory / 'config.json'} is missing")
     try:
-        weights = load_file(str(weights_path))
-    except Exception as error:  # safetensors raises its own errors on truncated or foreign files
-        raise ValueError(f"{weights_path} is not a readable safetensors file: {error}") from None
-    registry.check_weights({k: (v.dtype, tuple(v.shape)) for k, v in weights.items()}, model, weights_path, True)
-    try:
-        check_finite(weights, weights_path)
-    except FloatingPointError as error:
-        raise ValueError(f"{error}; refusing to load it") from None
-    model.load_state_dict(weights, strict=False)  # aliases of the saved tensors fill themselves
+        model = pretrained.load_files(pretrained.folder_files(directory)).train()
+    except OSError as error:  # unreadable: permissions, a file removed while loading
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise ValueError(f"{directory}: cannot be read: {error}") from None
     vocabulary = None
     if (directory / "tokenizer.json").is_file():
         vocabulary = SubwordVocabulary.load(directory / "tokenizer.json")
     elif (directory / "vocabulary.json").is_file():
-        words = _read_json(directory / "vocabulary.json")
-        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-            raise ValueError(f"{directory / 'vocabulary.json'}: a vocabulary is a JSON list of strings")
-        vocabulary = Vocabulary(words)
-        if len(vocabulary) != model.config.vocab_size:
-            raise ValueError(
-                f"vocabulary has {len(vocabulary)} words but the model's vocab_size is {model.config.vocab_size}"
-            )
+        vocabulary = Vocabulary(_read_json(directory / "vocabulary.json"))  # checked by load_files
     return model, vocabulary

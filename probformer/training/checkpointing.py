@@ -10,8 +10,13 @@ or changed**. A checkpoint is written completely under a temporary name, renamed
 its final name, the pointer is replaced by an atomic rename, and only then are older
 checkpoints pruned. A SIGKILL at any instant leaves ``latest`` naming a complete
 checkpoint (or no pointer at all, before the first one). A failed write (disk full,
-permission denied) removes the temporary folder and raises one ``WriteError`` naming
-the path; the pointer still names the previous checkpoint.
+permission denied) removes the temporary folder (and ``checkpoints/`` itself when this
+save created it) and raises one ``WriteError`` naming the path; the pointer still names
+the previous checkpoint.
+
+A checkpoint is a model folder (``checkpoint.save``, the format of ``model/`` and of a
+torch export) with the training state beside the model files: every model reader
+(``probformer.from_pretrained``, ``probformer.load``, the CLI) takes it as it is.
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ def save_training_checkpoint(run_dir, step: int, model, optimizer, vocabulary, c
         kept = f"{folder / previous} stays the last checkpoint" if previous else "no checkpoint was written yet"
         raise FloatingPointError(f"training stopped: {error}; nothing was saved and {kept}") from None
     temporary = folder / f".{name}.tmp-{os.getpid()}"
+    created = not folder.exists()  # a failed first save removes it again: the run folder stays as it was
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _remove(temporary)
@@ -138,6 +144,8 @@ def save_training_checkpoint(run_dir, step: int, model, optimizer, vocabulary, c
         os.replace(temporary, final)
     except (OSError, SafetensorError) as error:
         _remove(temporary)
+        if created:
+            shutil.rmtree(folder, ignore_errors=True)
         raise write_failure(final, error) from None
     crash_points.reached("save:renamed")
     write_text_atomic(folder / "latest", name)

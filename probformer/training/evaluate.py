@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from probformer.models import pretrained
 from probformer.training import checkpoint, data
 from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, windows
@@ -37,16 +38,15 @@ SPLITS = ("train", "valid", "test", "all")
 
 
 def load_any(path):
-    """A model and vocabulary from a checkpoint folder or a training-run folder (its
-    ``model`` folder, else its latest checkpoint)."""
+    """A model and vocabulary from any model folder (a checkpoint, a run's ``model/``, a
+    torch export) or a training-run folder (its ``model`` folder, else its latest
+    checkpoint)."""
     path = Path(path)
-    if (path / "config.json").is_file():
-        return checkpoint.load(path)
-    if (path / "model" / "config.json").is_file():
-        return checkpoint.load(path / "model")
-    if (path / "checkpoints" / "latest").is_file():
-        return checkpoint.load(latest_checkpoint(path))
-    raise FileNotFoundError(f"{path} is neither a checkpoint nor a training-run folder")
+    if not (path / "config.json").is_file() and pretrained.model_folder(path) == path:
+        raise FileNotFoundError(
+            f"{path} is neither a checkpoint, a model or torch-export folder nor a training-run folder"
+        )
+    return checkpoint.load(path)
 
 
 def read_split(source: str, split: str | None = None) -> tuple[list, str]:

@@ -341,7 +341,7 @@ def edit_config(folder: Path, edit) -> None:
         (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:100]), "safetensors"),
         (lambda f: (f / "model.safetensors").unlink(), "model.safetensors is missing"),
         (lambda f: (f / "config.json").write_text("{not json"), "not valid JSON"),
-        (lambda f: edit_config(f, lambda m: m.update(format="probformer-checkpoint/1")), "format must be"),
+        (lambda f: edit_config(f, lambda m: m.update(format="probformer-torch/1")), "format must be"),
         (lambda f: edit_config(f, lambda m: m.update(model="gpt")), "unknown model"),
         (lambda f: edit_config(f, lambda m: m["config"].update(width=32, heads=2)), "shape|bytes"),
         (lambda f: edit_config(f, lambda m: m["config"].update(layers=4)), "missing|lacks"),

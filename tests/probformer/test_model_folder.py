@@ -1,0 +1,237 @@
+"""One model folder: a run's ``model/``, a training checkpoint, a torch export and the run
+folder itself are read by every entry point (``probformer.from_pretrained``,
+``probformer.load``, ``probformer evaluate``, ``diagnose`` and ``export``), each giving
+the logits of the model that was saved. A failed save leaves its parent exactly as it
+was; an import failure while building a model is reported as one, naming the module."""
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import probformer as pf
+from probformer import cli
+from probformer.models import pretrained, registry
+from probformer.training import checkpoint, checkpointing, data
+
+KINDS = ("run", "model", "checkpoint", "export")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The four folder kinds, each holding the same model (and vocabulary)."""
+    root = tmp_path_factory.mktemp("folders")
+    sentences = data.ptb_sentences("valid")[:30]
+    (root / "text.txt").write_text("\n".join(" ".join(s) for s in sentences) + "\n")
+    vocabulary = data.Vocabulary.build(sentences)
+    torch.manual_seed(0)
+    model = pf.ProbabilisticTransformer(
+        pf.PTConfig(vocab_size=len(vocabulary), labels=6, channels=2, rank=2, iterations=2)
+    ).eval()
+    run = root / "run"
+    run.mkdir()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    checkpointing.save_training_checkpoint(run, 2, model, optimizer, vocabulary, {"step": 2})
+    checkpointing.save_final_model(run, model, vocabulary, None)
+    pf.export(model, root / "export", vocabulary=vocabulary)
+    paths = {
+        "run": run,
+        "model": run / "model",
+        "checkpoint": checkpointing.latest_checkpoint(run),
+        "export": root / "export",
+    }
+    return {"paths": paths, "model": model, "vocabulary": vocabulary, "text": root / "text.txt", "root": root}
+
+
+def logits(model, vocab_size):
+    tokens = torch.arange(12).reshape(2, 6) % vocab_size
+    mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    with torch.no_grad():
+        out = model(tokens, mask)
+    return (out[0] if isinstance(out, tuple) else out)[mask]
+
+
+def test_a_checkpoint_keeps_its_training_state_beside_the_model_files(folders):
+    names = {p.name for p in folders["paths"]["checkpoint"].iterdir()}
+    assert {"config.json", "model.safetensors", "vocabulary.json"} <= names
+    assert {"training.json", "training.safetensors"} <= names
+    records = [json.loads((folders["paths"][k] / "config.json").read_text()) for k in ("model", "checkpoint", "export")]
+    assert {r["format"] for r in records} == {pretrained.TORCH_FORMAT}  # one format
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_from_pretrained_and_load_read_every_folder_kind(folders, kind):
+    expected = logits(folders["model"], len(folders["vocabulary"]))
+    path = folders["paths"][kind]
+    assert torch.equal(logits(pf.from_pretrained(path), len(folders["vocabulary"])), expected)
+    assert torch.equal(logits(pf.load(path), len(folders["vocabulary"])), expected)
+    loaded, vocabulary = checkpoint.load(path)
+    assert vocabulary.words == folders["vocabulary"].words
+    assert torch.equal(logits(loaded.eval(), len(vocabulary)), expected)
+
+
+def run_cli(argv, folder, capsys, monkeypatch):
+    monkeypatch.chdir(folder)
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_cli_verb_reads_every_folder_kind(folders, kind, tmp_path, capsys, monkeypatch):
+    path, text = folders["paths"][kind], folders["text"]
+    table = run_cli(["evaluate", path, "--task", "mlm", "--data", text], tmp_path, capsys, monkeypatch)
+    reference_argv = ["evaluate", folders["paths"]["model"], "--task", "mlm", "--data", text]
+    reference = run_cli(reference_argv, tmp_path, capsys, monkeypatch)
+    assert "perplexity" in table and table == reference  # the same model, whichever folder it is read from
+    run_cli(["diagnose", path, "--data", text, "--sentences", "3", "--out", "diagnosis"], tmp_path, capsys, monkeypatch)
+    assert (tmp_path / "diagnosis" / "report.nc").is_file()
+    run_cli(["export", path, "--out", "exported"], tmp_path, capsys, monkeypatch)
+    expected = logits(folders["model"], len(folders["vocabulary"]))
+    assert torch.equal(logits(pf.load(tmp_path / "exported"), len(folders["vocabulary"])), expected)
+
+
+def test_a_run_folder_with_no_model_yet_is_named(tmp_path):
+    (tmp_path / "run.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no model yet"):
+        pf.from_pretrained(tmp_path)
+
+
+def test_a_model_folder_written_by_an_earlier_version_still_reads(folders, tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    for file in folders["paths"]["model"].iterdir():
+        (old / file.name).write_bytes(file.read_bytes())
+    record = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**record, "format": "probformer-checkpoint/1"}))
+    expected = logits(folders["model"], len(folders["vocabulary"]))
+    assert torch.equal(logits(pf.from_pretrained(old), len(folders["vocabulary"])), expected)
+
+
+def test_training_files_are_the_only_extras_a_model_folder_takes(folders, tmp_path):
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for file in folders["paths"]["checkpoint"].iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    pf.load(folder)
+    (folder / "optimizer.pt").write_bytes(b"\x80\x04")  # a pickle beside the model: refused, never read
+    with pytest.raises(ValueError, match="unexpected 'optimizer.pt'"):
+        pf.load(folder)
+
+
+# ---- a failed save leaves the parent as it was -------------------------------------------------
+
+
+def snapshot(root: Path) -> dict:
+    """Every folder and every file's bytes under ``root``."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))
+    }
+
+
+def failing_writes(monkeypatch, fail_at: int):
+    """Make the ``fail_at``-th file write (safetensors or text, counted from 0) fail as a
+    full disk does: a few bytes written, then ENOSPC."""
+    import safetensors.torch
+
+    calls = {"n": 0}
+
+    def check(path):
+        calls["n"] += 1
+        if calls["n"] - 1 == fail_at:
+            with open(path, "wb") as handle:
+                handle.write(b"\0" * 7)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_save, real_write = safetensors.torch.save_file, Path.write_text
+
+    def save_file(tensors, path, metadata=None):
+        check(path)
+        return real_save(tensors, path, metadata=metadata)
+
+    def write_text(self, *args, **kwargs):
+        check(self)
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(checkpointing, "save_file", save_file)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    return calls
+
+
+def small_model_and_vocabulary():
+    vocabulary = data.Vocabulary(["<pad>", "<unk>", "<mask>"] + [f"w{i}" for i in range(9)])
+    torch.manual_seed(0)
+    config = {"vocab_size": 12, "width": 8, "heads": 2, "layers": 1, "ffn_width": 8}
+    return registry.build("transformer", config), vocabulary
+
+
+@pytest.mark.parametrize("fail_at", range(3))
+def test_a_failed_checkpoint_save_leaves_the_parent_exactly_as_it_was(tmp_path, monkeypatch, fail_at):
+    model, vocabulary = small_model_and_vocabulary()
+    (tmp_path / "keep.txt").write_text("mine")
+    existing = checkpoint.save(model, tmp_path / "existing", vocabulary)
+    before = snapshot(tmp_path)
+    torch.manual_seed(1)
+    other, _ = small_model_and_vocabulary()
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    calls = failing_writes(monkeypatch, fail_at)
+    with pytest.raises(checkpoint.WriteError, match="No space left on device"):
+        checkpoint.save(other, tmp_path / "new" / "deeper" / "ck", vocabulary)
+    assert calls["n"] == fail_at + 1
+    assert snapshot(tmp_path) == before  # no folder it created, no temporary file
+    calls["n"] = 0
+    with pytest.raises(checkpoint.WriteError, match="No space left on device"):
+        checkpoint.save(other, existing, vocabulary)  # over an earlier checkpoint: all old files, or none
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("fail_at", range(5))
+def test_a_failed_training_checkpoint_leaves_the_run_folder_as_it_was(tmp_path, monkeypatch, fail_at):
+    model, vocabulary = small_model_and_vocabulary()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    before = snapshot(tmp_path)
+    calls = failing_writes(monkeypatch, fail_at)
+    with pytest.raises(checkpoint.WriteError, match="No space left on device"):
+        checkpointing.save_training_checkpoint(run, 1, model, optimizer, vocabulary, {"step": 1})
+    assert calls["n"] == fail_at + 1
+    assert snapshot(tmp_path) == before  # not even checkpoints/, which the first save creates
+
+
+@pytest.mark.parametrize("fail_at", range(2))
+def test_a_failed_save_pretrained_removes_the_folders_it_created(tmp_path, monkeypatch, fail_at):
+    model, _ = small_model_and_vocabulary()
+    before = snapshot(tmp_path)
+    failing_writes(monkeypatch, fail_at)
+    with pytest.raises(OSError, match="No space left on device"):
+        pretrained.save_pretrained(model, tmp_path / "a" / "b")
+    assert snapshot(tmp_path) == before
+
+
+# ---- an import failure is reported as one -------------------------------------------------------
+
+
+def test_an_import_failure_while_building_is_an_import_error_naming_the_module(tmp_path, monkeypatch, capsys):
+    model, vocabulary = small_model_and_vocabulary()
+    folder = checkpoint.save(model, tmp_path / "ck", vocabulary)
+
+    def build(kind, config, section="config"):
+        raise ModuleNotFoundError("No module named 'networkx'", name="networkx")
+
+    monkeypatch.setattr(registry, "build", build)
+    for read in (pf.load, pf.from_pretrained, checkpoint.load):
+        with pytest.raises(ImportError, match="needs the module 'networkx'") as error:
+            read(folder)
+        assert "bad model config" not in str(error.value) and error.value.name == "networkx"
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["export", "ck", "--out", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "needs the module 'networkx'" in err and len(err.splitlines()) == 1
