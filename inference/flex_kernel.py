@@ -69,6 +69,12 @@ def _compiled(configuration: tuple):
     return torch.compile(namespace["attend"], backend=configuration[0], dynamic=True, fullgraph=True)
 
 
+def _no_duck_shapes():
+    from torch.fx.experimental import _config as shape_config  # torch.compile's own, imported on use
+
+    return shape_config.patch(use_duck_shape=False)
+
+
 def flex_available(device: torch.device) -> bool:
     """Where the flex kernel is memory-linear (compiled); elsewhere it runs eager."""
     return device.type == "cuda"
@@ -78,10 +84,11 @@ def _same_score(score, batch, head, q_idx, kv_idx):
     return score
 
 
-def _attention(q, k, v, block_mask):
+def _attention(q, k, v, block_mask, kind: tuple = ()):
     """``softmax(q k^T + mask) v`` and its natural-log lse (``-inf`` on rows with no key, whose
     output is 0), differentiable in q, k, v and the lse. Fewer key/value heads than query
-    heads: query head h reads key/value head h // (H_q / H_kv)."""
+    heads: query head h reads key/value head h // (H_q / H_kv). ``kind``: what the mask_mod's
+    code and constants are (the topology's kind), part of the compiled configuration."""
     width = v.shape[-1]
     pad = lambda t: F.pad(t, (0, max(0, _MIN_HEAD_DIM - t.shape[-1])))  # noqa: E731
     q, k, v = pad(q), pad(k), pad(v)
@@ -95,20 +102,21 @@ def _attention(q, k, v, block_mask):
                                   return_aux=AuxRequest(lse=True), kernel_options=_KERNEL_OPTIONS)  # fmt: skip
         lse = aux.lse
     else:
-        out, lse = _run_compiled(q, k, v, block_mask, gqa)
+        out, lse = _run_compiled(q, k, v, block_mask, gqa, kind)
     return out[..., :width], lse.to(out.dtype)  # the Triton kernel keeps lse in float32
 
 
-def _run_compiled(q, k, v, block_mask, gqa: bool):
+def _run_compiled(q, k, v, block_mask, gqa: bool, kind: tuple):
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     configuration = (COMPILE_BACKEND, q.device.type, q.dtype, grad, q.shape[1], k.shape[1], q.shape[-1],
-                     v.shape[-1], q.shape[0] == 1, q.shape[2] <= BLOCK)  # fmt: skip
+                     v.shape[-1], q.shape[0] == 1, q.shape[2] <= BLOCK, block_mask.mask_mod.__code__, kind)  # fmt: skip
     attend = _compiled(configuration)
     options = dict(scale=1.0, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
     if COMPILE_BACKEND == "inductor":
         options["kernel_options"] = _KERNEL_OPTIONS
-    # past the recompile limit Dynamo would run flex eagerly (O(n^2) memory) with a warning
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+    # past the recompile limit Dynamo would run flex eagerly (O(n^2) memory) with a warning;
+    # duck sizing would tie sizes that happen to be equal (a batch of 2 and 2 blocks)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), _no_duck_shapes():
         out, aux = attend(q, k, v, block_mask=block_mask, **options)
     return out, aux.lse
 
@@ -161,9 +169,12 @@ def _flex(query, key, value, value_rev, scale: float, structure: HeadStructure, 
         return out.permute(0, 3, 2, 1, 4)
 
     forward_mask, reverse_mask = block_masks(structure, K, C)
+    # the topology's kind: what the mask_mods hold as constants (lengths are tensors there)
+    kind = (structure.band, structure.bucket_cuts, structure.gamma, structure.virtual)
     key_h = heads(key)
     # the scale goes into the queries (any finite scale, 0 included)
-    out, lse_parts = _attention(scale * query_heads(query), key_h, heads(value) if messages else key_h, forward_mask)
+    values = heads(value) if messages else key_h
+    out, lse_parts = _attention(scale * query_heads(query), key_h, values, forward_mask, kind)
     lse_parts = lse_parts.view(B, C, K, N)
     if bias is not None:
         lse_parts = lse_parts + bias.T[None, :, :, None]
@@ -182,7 +193,7 @@ def _flex(query, key, value, value_rev, scale: float, structure: HeadStructure, 
     q_rev = torch.cat([q_rev, torch.ones_like(q_rev[..., :1])], -1)
     key_bias = (-lse)[:, :, None, :, None].expand(B, C, slots, N, 1).reshape(B, C * slots, N, 1)
     k_rev = torch.cat([heads(query), key_bias], -1)
-    out_rev, lse_rev = _attention(q_rev, k_rev, heads(value_rev), reverse_mask)
+    out_rev, lse_rev = _attention(q_rev, k_rev, heads(value_rev), reverse_mask, kind)
     lse_rev = lse_rev.view(B, C, K, N)
     if bias is not None:
         lse_rev = lse_rev + bias.T[None, :, :, None]

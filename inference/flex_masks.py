@@ -39,14 +39,14 @@ def group_count(structure: HeadStructure) -> int:
     return structure.virtual_group + (1 if structure.virtual else 0)
 
 
-def _offset_group(offset, structure: HeadStructure):
+def _offset_group(offset, cuts: tuple[int, ...], gamma: int):
     """The distance group of token offset ``offset = head - dependent`` (a tensor): the rule of
     ``graphs.topology.distance_groups`` and ``head_kernels.fused``. Offset 0 (never an arc)
     gets a left group."""
     bucket = torch.zeros_like(offset)
-    for cut in structure.bucket_cuts:
+    for cut in cuts:
         bucket = bucket + (offset.abs() >= cut).to(offset.dtype)
-    return torch.where(offset > 0, bucket, bucket + (structure.gamma + 1))
+    return torch.where(offset > 0, bucket, bucket + (gamma + 1))
 
 
 def _arc_rule(structure: HeadStructure):
@@ -77,10 +77,12 @@ def _arc_rule(structure: HeadStructure):
 
 def _mask_mods(structure: HeadStructure, groups: int):
     arc, n = _arc_rule(structure)
+    # plain numbers in the closures, no structure: a compiled kernel guards on what they hold
+    cuts, gamma, virtual_group = structure.bucket_cuts, structure.gamma, structure.virtual_group
 
     def group(q, kv):
-        token_group = _offset_group(kv - q, structure)
-        return torch.where((q >= n) | (kv >= n), structure.virtual_group, token_group)
+        token_group = _offset_group(kv - q, cuts, gamma)
+        return torch.where((q >= n) | (kv >= n), virtual_group, token_group)
 
     def forward_mod(b, h, q, kv):
         return arc(b, q, kv) & (group(q, kv) == h % groups)
@@ -97,12 +99,11 @@ def _band_blocks(band: tuple[int, int], n: int, size: int, structure_key, device
     (a, b) covers offsets 128 (b - a) + t, |t| < 128, all of them when neither block is an
     edge one. Blocks touching the padded end or a virtual node: some, never every."""
     gamma, cuts, groups = structure_key
-    probe = HeadStructure(n=n, gamma=gamma, cuts=cuts, nodes=torch.ones(1, size, dtype=torch.bool), token_arcs=None)
     nb = -(-size // BLOCK)
     diagonals = torch.arange(-(nb - 1), nb, device=device)[:, None] * BLOCK
     offsets = diagonals + torch.arange(-(BLOCK - 1), BLOCK, device=device)  # [2 nb - 1, 255]
     legal = (offsets != 0) & (offsets >= -band[0]) & (offsets <= band[1]) & (offsets.abs() < n)
-    in_group = _offset_group(offsets, probe) == torch.arange(groups, device=device)[:, None, None]
+    in_group = _offset_group(offsets, cuts, gamma) == torch.arange(groups, device=device)[:, None, None]
     some_d, every_d = (legal & in_group).any(-1), (legal & in_group).all(-1)  # [K, 2 nb - 1]
     blocks = torch.arange(nb, device=device)
     index = blocks[None, :] - blocks[:, None] + nb - 1  # [nb, nb]: the diagonal of block pair (a, b)
@@ -154,7 +155,7 @@ def _table_blocks(structure: HeadStructure, groups: int) -> tuple[torch.Tensor, 
 def _topology_blocks(structure: HeadStructure, groups: int):
     size = structure.nodes.shape[1]
     if structure.band is not None:
-        key = (structure.gamma, structure.cuts, groups)
+        key = (structure.gamma, structure.bucket_cuts, groups)
         band = band_limits(structure.band, structure.n)
         traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()  # a traced graph keeps no cache
         build = _band_blocks.__wrapped__ if traced else _band_blocks

@@ -34,7 +34,7 @@ def full_precision(kernel):
     @functools.wraps(kernel)
     def run(*args, **kwargs):
         device = args[0].device.type
-        if not torch.is_autocast_enabled(device):
+        if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
             return kernel(*args, **kwargs)
         with torch.autocast(device, enabled=False):
             return kernel(*map(_wide, args), **{name: _wide(value) for name, value in kwargs.items()})
