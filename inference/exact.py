@@ -14,7 +14,8 @@ its whole bucket, so log Z is right to float64 rounding at any finite potential.
 (Pyro's log-einsum backend shifts each operand by its own maximum, so the products of
 two shifted operands underflow to 0 at potentials of ~1e2 in float32 and ~1e3 in
 float64: log Z came out silently too small or ``-inf``.) ``log_partition`` is always
-float64; ``marginals`` returns probabilities in the CRF's dtype and log Z in float64.
+float64; ``marginals`` returns a ``Posterior`` in the CRF's dtype (the Posterior contract,
+``inference.posterior``): probabilities and log Z cast back, log Z differentiable.
 
 The cost grows like d ** N (N = tokens + virtual nodes): eliminating one head
 variable couples its node's label with every label it may attend to. ``Exact``
@@ -111,8 +112,8 @@ class Exact:
         log Z with respect to it is that site's marginal."""
         factors, sites, letters = self._factors(inputs, mask)
         B = mask.shape[0]
+        differentiable = torch.is_grad_enabled() and any(f.requires_grad for f in factors)
         with torch.enable_grad():
-            factors = [f.detach() for f in factors]
             probes = {}
             for name, letter in sites.items():
                 size = next(f.shape[ls.index(letter)] for f, ls in zip(factors, letters) if letter in ls)
@@ -120,8 +121,9 @@ class Exact:
                     size, B, dtype=factors[0].dtype, device=factors[0].device, requires_grad=True
                 )
             log_z = _eliminate(factors + list(probes.values()), letters + [sites[k] + _BATCH for k in probes])
-            grads = torch.autograd.grad(log_z.sum(), list(probes.values()))
-        dtype = self.crf.unary.dtype  # probabilities need no float64 range: back to the CRF's dtype
+            # the graph to the parameters is kept: log Z from the call is differentiable
+            grads = torch.autograd.grad(log_z.sum(), list(probes.values()), retain_graph=differentiable)
+        dtype = self.crf.unary.dtype  # the Posterior contract: every field in the CRF's dtype
         probs = {name: grad.T.to(dtype) for name, grad in zip(probes, grads)}  # [B, size]
 
         n = mask.shape[1]
@@ -137,7 +139,8 @@ class Exact:
         g = None
         if self.crf.global_labels:
             g = torch.stack([probs[f"g_{i}"] for i in range(n)], dim=1) * mask[..., None]
-        return Posterior(z=z, h=h, g=g, log_partition=log_z.detach())
+        log_z = log_z if differentiable else log_z.detach()
+        return Posterior(z=z, h=h, g=g, log_partition=log_z.to(dtype))
 
     def _factors(self, inputs, mask):
         """Trace the enumerated model; return its log-factors with einsum letters.

@@ -45,8 +45,8 @@ MAX_DRAWN_VALUES = 2**30  # chains x samples x the per-draw values of one senten
 class GibbsResult:
     """Draws and their summaries.
 
-    marginals: ``Posterior`` of empirical marginals (z, h, g).
-    standard_error: Monte-Carlo standard errors of those marginals, same shapes:
+    marginals: ``Posterior`` of empirical marginals (z, h, g), in the CRF's dtype.
+    standard_error: Monte-Carlo standard errors of those marginals (float64), same shapes:
         ``std / sqrt(ESS)`` of the per-draw values (z indicators; exact h and g
         conditionals), with ArviZ's bulk ESS.
     effective_sample_size: that ESS, same shapes (values that never move get the raw
@@ -219,8 +219,10 @@ class Gibbs:
                 "g": ["sentence", "token"],
             },
         )
+        dtype = crf.unary.dtype  # the Posterior contract: the CRF's dtype (the averages run in float64)
+        marginal = {name: value.to(dtype) for name, value in means.items()}
         return GibbsResult(
-            marginals=Posterior(z=means["z"], h=means["h"], g=means.get("g")),
+            marginals=Posterior(z=marginal["z"], h=marginal["h"], g=marginal.get("g")),
             standard_error=Posterior(z=errors["z"], h=errors["h"], g=errors.get("g")),
             effective_sample_size=Posterior(z=sizes["z"], h=sizes["h"], g=sizes.get("g")),
             rhat=float(max(rhats)) if rhats else float("nan"),

@@ -13,6 +13,11 @@ __all__ = ["Posterior"]
 class Posterior:
     """Marginals over the nodes of a batch (N = tokens + virtual nodes).
 
+    The contract every engine keeps: the same fields, every tensor in the CRF's parameter
+    dtype (a wider accumulation is cast back), zero rows at padding, and a sentence's fields
+    independent of its padding and batch. Which fields each engine fills and which carry
+    gradients: the table in docs/api.md ("The Posterior contract").
+
     z: ``[B, N, d]`` label marginals (rows of padded nodes are zero).
     h: ``[B, C, N, N]`` head marginals, ``h[b, c, i, j] = q(H_i^c = j)``; a row is zero
        where node i has no legal head (padding, or e.g. ``causal`` at i = 0).
