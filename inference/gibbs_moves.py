@@ -31,6 +31,10 @@ __all__ = ["sweep", "sample_heads", "sample_globals", "update_labels", "label_lo
 
 # entries of one chunk of head logits [systems, P, C, N, N]: bounds the move's memory
 CHUNK_ENTRIES = 2**22
+# the head score of an arc the topology forbids: finite, so lerp never meets inf - inf, and
+# beta >= MIN_BETA makes its weight exp(beta FORBIDDEN) exactly 0
+FORBIDDEN = -1e30
+MIN_BETA = 1e-20
 
 
 def _column(beta: torch.Tensor, dims: int, dtype) -> torch.Tensor:
@@ -46,28 +50,51 @@ def sweep(target: TemperedTarget, z, h, g, beta, rounds: int, generator=None):
     return z, h, g
 
 
-def sample_heads(target: TemperedTarget, z, beta, generator=None) -> torch.Tensor:
-    """``h [S, P, C, N]`` drawn from p_beta(h | z), a chunk of systems at a time."""
-    S, P, N = z.shape
+def _head_tables(target: TemperedTarget):
+    """What the head sampler reads, built once per layout: ``rows [d, C, (K + 1) d]`` with
+    ``rows[a, c, k d + b] = T[k, c, a, b]`` and a last block of -inf (the column of every arc
+    the topology forbids, FORBIDDEN); ``columns [S, N, N]``, k(i, j) d on arcs and K d elsewhere;
+    ``log_qh [S, N, C, N]`` (0 off the arcs: the -inf column rules them out)."""
     K, C, d, _ = target.table.shape
-    # the flat index of T[k(i, j), c, 0, 0] for every (c, i, j); z_i d + z_j is added per particle
-    base = (target.groups[None] * C + torch.arange(C, device=z.device)[:, None, None]) * (d * d)  # [C, N, N]
+    forbidden = target.table.new_full((d, C, d), FORBIDDEN)
+    rows = torch.cat([target.table.permute(2, 1, 0, 3).reshape(d, C, K * d), forbidden], -1)
     arcs = target.per_system(target.arcs)
-    log_qh = torch.where(arcs[:, None], target.per_system(target.log_qh), 0.0)
+    columns = torch.where(arcs, target.groups * d, K * d)
+    log_qh = torch.where(arcs[:, None], target.per_system(target.log_qh), 0.0).permute(0, 2, 1, 3).contiguous()
+    return rows, columns, log_qh
+
+
+def sample_heads(target: TemperedTarget, z, beta, generator=None) -> torch.Tensor:
+    """``h [S, P, C, N]`` drawn from p_beta(h | z), a chunk of systems at a time. The logits
+    ``beta T[k(i, j), c, z_i, z_j] + (1 - beta) log q_h`` are two gathers: the rows of z_i
+    (contiguous), then the column k(i, j) d + z_j of each."""
+    S, P, N = z.shape
+    C = target.table.shape[1]
+    rows, columns, log_qh = target.cached("head_tables", lambda: _head_tables(target))
     has_head = target.per_system(target.has_head)
-    flat_table = target.table.reshape(-1)
     step = max(1, CHUNK_ENTRIES // max(1, P * C * N * N))
     heads = []
     for start in range(0, S, step):
         part = slice(start, start + step)
         zs = z[part]
-        index = base + (zs[:, :, None, :, None] * d + zs[:, :, None, None, :])  # [s, P, C, N, N]
-        b = _column(beta[part], 4, flat_table.dtype)
-        logits = b * flat_table[index] + (1 - b) * log_qh[part, None]
-        logits = logits.masked_fill(~arcs[part, None, None], float("-inf"))
-        drawn = sample_categorical(logits, generator)
+        s = zs.shape[0]
+        index = (columns[part, None] + zs[:, :, None, :])[:, :, :, None, :].expand(s, P, N, C, N)
+        scores = rows[zs].gather(-1, index)  # [s, P, N(i), C, N(j)]
+        weight = _column(beta[part], 4, scores.dtype).clamp(min=MIN_BETA)
+        logits = torch.lerp(log_qh[part, None], scores, weight)
+        drawn = sample_rows(logits, generator).transpose(-1, -2)  # [s, P, C, N]
         heads.append(torch.where(has_head[part, None, None], drawn, 0))
-    return torch.cat(heads)
+    return torch.cat(heads) if len(heads) > 1 else heads[0]
+
+
+def sample_rows(logits: torch.Tensor, generator=None) -> torch.Tensor:
+    """One draw per row of ``logits [..., k]`` (overwritten), each row with a finite entry:
+    the inverse CDF by binary search in the cumulative weights."""
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    cumulative = logits.cumsum_(-1)
+    u = torch.rand(cumulative.shape[:-1] + (1,), device=logits.device, dtype=logits.dtype, generator=generator)
+    # u < 1: the first cumulative weight >= u * total has a positive weight of its own
+    return torch.searchsorted(cumulative, u.mul_(cumulative[..., -1:])).squeeze(-1)
 
 
 def sample_globals(target: TemperedTarget, z, beta, generator=None):
@@ -82,25 +109,42 @@ def sample_globals(target: TemperedTarget, z, beta, generator=None):
     return torch.where(mask[:, None], sample_categorical(logits, generator), 0)
 
 
-def _fast_messages(target: TemperedTarget, z, h, g) -> torch.Tensor:
+def _label_tables(target: TemperedTarget):
+    """What the label messages read, built once per layout: ``outgoing [(K C + 1) d, d]``, row
+    (k C + c) d + b holding T[k, c, :, b]; ``incoming``, row (k C + c) d + a holding T[k, c, a, :];
+    each with a last block of zero rows (the rows of nodes without a head); the unary table
+    and masked log q_z per system."""
+    K, C, d, _ = target.table.shape
+    zeros = target.table.new_zeros(d, d)
+    outgoing = torch.cat([target.table.transpose(-1, -2).reshape(K * C * d, d), zeros])
+    incoming = torch.cat([target.table.reshape(K * C * d, d), zeros])
+    nodes = target.per_system(target.nodes)[..., None]
+    log_qz = torch.where(nodes, target.per_system(target.log_qz), 0.0)
+    return outgoing, incoming, target.per_system(target.unary), log_qz
+
+
+def _arc_rows(target: TemperedTarget, h) -> torch.Tensor:
+    """``[S, P, C, N]`` (k(i, h_i^c) C + c) d for every head, K C d where i has none."""
+    K, C, d, _ = target.table.shape
+    N = h.shape[-1]
+    group = target.groups[torch.arange(N, device=h.device), h]
+    rows = (group * C + torch.arange(C, device=h.device)[:, None]) * d
+    return torch.where(target.per_system(target.has_head)[:, None, None], rows, K * C * d)
+
+
+def _fast_messages(target: TemperedTarget, z, h, g, arc_rows=None) -> torch.Tensor:
     """``[S, P, N, d]`` log-potential of each label value of each node given every other
     variable, from the unary, ternary, global and ``Pairwise`` factors."""
     S, P, N = z.shape
     K, C, d, _ = target.table.shape
-    has_head = target.per_system(target.has_head)[:, None, None, :, None]  # [S, 1, 1, N, 1]
-    channel = torch.arange(C, device=z.device)[:, None, None]
-    labels = torch.arange(d, device=z.device)
-    group = target.groups[torch.arange(N, device=z.device), h]  # [S, P, C, N]: k(i, h_i^c)
+    outgoing, incoming, unary, _ = target.cached("label_tables", lambda: _label_tables(target))
+    arc_rows = _arc_rows(target, h) if arc_rows is None else arc_rows
     head_label = z[:, :, None, :].expand_as(h).gather(-1, h)
-    row = (group[..., None] * C + channel) * d  # [S, P, C, N, 1]
-    # from i's own heads: T[k, c, a, z_{h_i^c}] over a; T transposed so a runs fastest
-    outgoing = target.table.transpose(-1, -2).reshape(-1)[(row + head_label[..., None]) * d + labels]
-    messages = torch.where(has_head, outgoing, 0.0).sum(2)
-    # from the nodes j that chose i: T[k(j, i), c, z_j, a], added at i = h_j^c
-    incoming = target.table.reshape(-1)[(row + z[:, :, None, :, None]) * d + labels]
-    incoming = torch.where(has_head, incoming, 0.0).reshape(S, P, C * N, d)
-    messages = messages.scatter_add(2, h.reshape(S, P, C * N, 1).expand(-1, -1, -1, d), incoming)
-    messages = messages + target.per_system(target.unary)[:, None]
+    # from i's own heads: T[k(i, h_i^c), c, :, z_{h_i^c}]; from each j whose head is i: T[k, c, z_j, :]
+    messages = F.embedding(arc_rows + head_label, outgoing).sum(2)
+    received = F.embedding(arc_rows + z[:, :, None, :], incoming).reshape(S, P, C * N, d)
+    messages = messages.scatter_add_(2, h.reshape(S, P, C * N, 1).expand(-1, -1, -1, d), received)
+    messages = messages.add_(unary[:, None])
     n = target.mask.shape[1]
     if target.binary is not None:
         glob = torch.where(target.per_system(target.mask)[:, None, :, None], target.binary[g], 0.0)
@@ -125,20 +169,18 @@ def _user_messages(target: TemperedTarget, z, node: int) -> torch.Tensor:
     return torch.stack(values, -1)
 
 
-def label_logits(target: TemperedTarget, z, h, g, beta, node: int | None = None) -> torch.Tensor:
+def label_logits(target: TemperedTarget, z, h, g, beta, node: int | None = None, arc_rows=None) -> torch.Tensor:
     """``[S, P, N, d]`` log p_beta(Z_i = a | everything else) up to a constant per node.
     With user factors, their terms are added for ``node`` only (None: for every node, one
     at a time)."""
-    messages = _fast_messages(target, z, h, g)
+    messages = _fast_messages(target, z, h, g, arc_rows)
     if target.user:
         extra = torch.zeros_like(messages)
         for i in range(z.shape[-1]) if node is None else [node]:
             extra[:, :, i] = _user_messages(target, z, i).to(messages.dtype)
         messages = messages + extra
-    nodes = target.per_system(target.nodes)[..., None]
-    log_qz = torch.where(nodes, target.per_system(target.log_qz), 0.0)
-    b = _column(beta, 3, messages.dtype)
-    return b * messages + (1 - b) * log_qz[:, None]
+    log_qz = target.cached("label_tables", lambda: _label_tables(target))[3]
+    return torch.lerp(log_qz[:, None], messages, _column(beta, 3, messages.dtype))
 
 
 def _neighbour_priority(target: TemperedTarget, priority, h) -> torch.Tensor:
@@ -167,13 +209,15 @@ def update_labels(target: TemperedTarget, z, h, g, beta, rounds: int, generator=
     if target.user:
         for i in range(N):
             chosen = nodes & (torch.arange(N, device=z.device) == i)
-            z = torch.where(chosen, sample_categorical(label_logits(target, z, h, g, beta, node=i), generator), z)
+            z = torch.where(chosen, sample_rows(label_logits(target, z, h, g, beta, node=i), generator), z)
         return z
     priority = torch.rand(S, P, N, device=z.device, generator=generator)
     waiting = nodes.clone()
+    arc_rows = _arc_rows(target, h)  # the heads stay fixed while the labels move
     for _ in range(rounds):
         active = torch.where(waiting, priority, -1.0)
         chosen = waiting & (priority > _neighbour_priority(target, active, h))
-        z = torch.where(chosen, sample_categorical(label_logits(target, z, h, g, beta), generator), z)
+        drawn = sample_rows(label_logits(target, z, h, g, beta, arc_rows=arc_rows), generator)
+        z = torch.where(chosen, drawn, z)
         waiting = waiting & ~chosen
     return z

@@ -21,7 +21,7 @@ them, so q is positive wherever the CRF is and the importance weights stay finit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,14 @@ class TemperedTarget:
     log_qh: torch.Tensor  # [B, C, N, N]
     log_qg: torch.Tensor | None  # [B, n, G]
     replicates: int
+    cache: dict = field(default_factory=dict)  # tables the moves build once, per layout
+
+    def cached(self, name: str, build):
+        """``build()`` the first time ``name`` is asked for this layout, then the same tensor."""
+        key = (name, self.replicates)
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
 
     @property
     def batch(self) -> int:
@@ -67,6 +75,8 @@ class TemperedTarget:
 
     def per_system(self, x: torch.Tensor) -> torch.Tensor:
         """A per-sentence tensor ``[B, ...]`` repeated for every replicate: ``[S, ...]``."""
+        if self.replicates == 1:
+            return x
         return x.repeat(self.replicates, *([1] * (x.dim() - 1)))
 
     # ---- the two densities ------------------------------------------------------------
@@ -94,7 +104,8 @@ class TemperedTarget:
         C = h.shape[2]
         log_qz = self.per_system(self.log_qz)[:, None].expand(S, P, N, -1).gather(-1, z[..., None]).squeeze(-1)
         value = torch.where(nodes[:, None], log_qz, 0.0).double().sum(-1)
-        log_qh = self.per_system(self.log_qh)[:, None].expand(S, P, C, N, N).gather(-1, h[..., None]).squeeze(-1)
+        rows = self.cached("log_qh", lambda: self.per_system(self.log_qh))
+        log_qh = rows[:, None].expand(S, P, C, N, N).gather(-1, h[..., None]).squeeze(-1)
         value = value + torch.where(has_head[:, None, None], log_qh, 0.0).double().sum((-1, -2))
         if self.log_qg is not None:
             n, G = self.log_qg.shape[1:]
@@ -159,7 +170,10 @@ def _log_rows(name: str, rows: torch.Tensor, support: torch.Tensor, epsilon: flo
     has_mass = total > 0
     normalised = torch.where(has_mass, kept / total.clamp(min=1e-300), 1.0 / count)
     mixed = (1 - epsilon) * normalised + epsilon / count
-    return torch.where(support, mixed.log(), -math.inf).to(rows.dtype)
+    # a zero of q on the support becomes the smallest normal number: log q stays finite, so
+    # (1 - beta) log q + beta log gamma is never inf - inf
+    floor = math.log(torch.finfo(rows.dtype).tiny)
+    return torch.where(support, mixed.log().clamp(min=floor), -math.inf).to(rows.dtype)
 
 
 def compile_target(crf, inputs, mask, proposal, epsilon: float, replicates: int) -> TemperedTarget:

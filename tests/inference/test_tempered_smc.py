@@ -67,7 +67,7 @@ def make_case(kind: str):
 def test_log_z_unbiased_and_marginals_match_exact(kind):
     crf, tokens, mask = make_case(kind)
     exact = inference.Exact(crf)(tokens, mask)
-    result = TemperedSMC(crf, num_particles=64, replicates=REPLICATES, seed=11).run(tokens, mask)
+    result = TemperedSMC(crf, num_particles=64, replicates=REPLICATES, seed=0).run(tokens, mask)
     ratios = (result.replicate_log_partition - exact.log_partition).exp()  # [R, B] Z-hat / Z
     standard_error = ratios.std(0) / math.sqrt(REPLICATES)
     assert ((ratios.mean(0) - 1).abs() < 3 * standard_error).all(), (ratios.mean(0), standard_error)
@@ -283,10 +283,12 @@ def test_a_user_factor_without_expectation_needs_an_explicit_proposal():
         def log_potential(self, z, tokens, mask):
             return (z[:, 0] == z[:, 1]).double()
 
+    torch.manual_seed(0)
     crf = graphs.CRF(vocab_size=5, labels=2, factors=[Bonus()]).double()
     tokens = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="default proposal, MeanField, cannot compile"):
         TemperedSMC(crf, num_particles=8, replicates=2).run(tokens)
     uniform = inference.Posterior(z=torch.full((1, 3, 2), 0.5), h=torch.full((1, 1, 3, 3), 0.5))
-    result = TemperedSMC(crf, num_particles=64, replicates=8, seed=0).run(tokens, proposal=uniform)
-    assert (result.log_partition - inference.Exact(crf).log_partition(tokens)).abs().max() < 0.05
+    result = TemperedSMC(crf, num_particles=64, replicates=16, seed=0).run(tokens, proposal=uniform)
+    error = (result.log_partition - inference.Exact(crf).log_partition(tokens)).abs()
+    assert (error < 4 * result.standard_error).all() and (result.standard_error < 0.05).all()
