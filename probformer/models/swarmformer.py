@@ -91,17 +91,17 @@ class SwarmConfig(ConfigMixin):
 
 
 def _top_fraction(confidence, mask, fraction: float):
-    """``[B, n]`` bool: each row's ceil(fraction * real tokens) most confident real tokens."""
-    keep = torch.ceil(fraction * mask.sum(1, keepdim=True)).long()  # [B, 1]
-    # rank = how many real tokens come first: more confident, or as confident and earlier.
-    # Ties (every confidence is 1 under contiguous routing) go in position order whatever
-    # the backend: no sort, whose tie order differs between torch and ONNX.
+    """``[B, n]`` bool: each row's ceil(fraction * real tokens) most confident real tokens;
+    ties go in position order (earlier first) whatever the backend. O(n log n): the keep-th
+    largest confidence from sorted values (which do not depend on how a sort orders ties),
+    then every token above it and the first of those equal to it."""
+    keep = torch.ceil(fraction * mask.sum(1, keepdim=True)).long()  # [B, 1], 1 .. real tokens
     scores = confidence.masked_fill(~mask, float("-inf"))
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    earlier = positions[None, :, None] < positions[None, None, :]  # [1, j, i]: j before i
-    first = (scores[:, :, None] > scores[:, None, :]) | ((scores[:, :, None] == scores[:, None, :]) & earlier)
-    rank = (first & mask[:, :, None]).sum(1)  # [B, n]
-    return (rank < keep) & mask
+    threshold = scores.sort(1, descending=True).values.gather(1, keep - 1)  # [B, 1]
+    above = scores > threshold
+    tied = scores == threshold
+    wanted = keep - above.sum(1, keepdim=True)  # how many of the tied tokens, in position order
+    return (above | (tied & (tied.long().cumsum(1) <= wanted))) & mask
 
 
 class SwarmLayer(nn.Module):
