@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from benchmarks import reliability as bench
-from benchmarks.reliability import artefacts, diagnostics, engines, factor_graphs, fixtures, harness
+from benchmarks.reliability import artefacts, diagnostics, engines, factor_graphs, fixtures, harness, non_finite
 
 HARD_TARGETS = ("code executed", "silent NaN", "silent wrong", "hang")
 
@@ -169,6 +169,20 @@ def test_fast_subset_meets_the_hard_targets(workdir: Path):
     assert len(cases) >= 180 and sum("attack" in c.label for c in cases) == len(artefacts.PT2_PAYLOADS)
     results = outcomes_of(cases, jobs=2)
     assert not failures(results), "\n".join(failures(results))
+
+
+def test_non_finite_input_is_refused_naming_the_argument_at_every_entry_point(workdir: Path):
+    """NaN / inf at every public entry point (embeddings, hidden states, CRF and model
+    parameters, SMC increments, diagnostics, a loaded export's tokens): no silent NaN and
+    no refusal that fails to name the argument (an obscure error)."""
+    cases = non_finite.non_finite_cases(random.Random("non-finite"), 160, workdir)
+    entries = {c.entry for c in cases}
+    for family in ("embeddings", "CRF parameters", "PTLayer", "forward", "increments", "diagnostics", "calling a pt2"):
+        assert any(family in entry for entry in entries), family
+    assert all(f"{kind}.forward" in " ".join(entries) for kind in fixtures.KINDS)
+    results = outcomes_of(cases, jobs=2)
+    bad = failures(results, HARD_TARGETS + ("obscure error",))
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.slow

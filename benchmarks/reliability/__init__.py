@@ -53,6 +53,7 @@ from benchmarks.reliability.factor_graphs import crf_cases, topology_cases
 from benchmarks.reliability.fixtures import KINDS, classes
 from benchmarks.reliability.harness import ROOT, Case, run_cases
 from benchmarks.reliability.models import config_cases, forward_cases, pt_variant_cases
+from benchmarks.reliability.non_finite import non_finite_cases
 from benchmarks.reliability.report import summarise, write_markdown
 from benchmarks.reliability.run_files import checkpoint_cases, run_config_cases, save_cases
 from benchmarks.reliability.samplers import gibbs_cases, smc_cases
@@ -125,6 +126,7 @@ GENERATORS: list[tuple[Callable, int]] = [  # (generator(rng, count, workdir), f
     (save_cases, 40),
     (load_cases, 260),
     (cli_cases, 16),
+    (non_finite_cases, 3000),
 ]
 
 

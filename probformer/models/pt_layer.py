@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import graphs
+from graphs.device_checks import refuse_non_finite_parameters
 from graphs.inputs import check_embeddings
 from inference import MeanField
 
@@ -76,6 +77,7 @@ class PTLayer(nn.Module):
         """``hidden [B, n, D]`` (floating) and ``mask [B, n]`` (bool, True for real tokens;
         default all) -> ``[B, n, D]``, zero on padded positions."""
         hidden, mask = self._checked(hidden, mask)
+        refuse_non_finite_parameters(self)  # the output map too (the engine checks the CRF's)
         posterior = self.mean_field(embeddings=hidden, mask=mask)
         n = hidden.shape[1]
         marginals = posterior.logits[:, :n].softmax(-1)  # the tokens' labels (virtual nodes dropped)
