@@ -62,6 +62,17 @@ def tree_state() -> str:
         return "the working tree"
 
 
+def non_finite_line(summary: dict) -> str:
+    """The non-finite family's counts, summed over its entries."""
+    counts: dict[str, int] = defaultdict(int)
+    for name, found in summary["entries"].items():
+        if name.startswith("non-finite:"):
+            for outcome, number in found.items():
+                counts[outcome] += number
+    shown = ", ".join(f"{counts.get(o, 0)} {o}" for o in ("ok", "clear error", "obscure error", "silent NaN"))
+    return f"Non-finite cases: {sum(counts.values())} ({shown})."
+
+
 def write_markdown(results: list[dict], summary: dict, path: Path, command: str, seconds: float, jobs: int = 2) -> None:
     def row(name: str, counts: dict) -> str:
         tried = sum(counts.values())
@@ -108,9 +119,14 @@ def write_markdown(results: list[dict], summary: dict, path: Path, command: str,
         "  process that is killed then);",
         "- **code executed**: a crafted file's pickle payload ran (it creates a marker file).",
         "",
-        "Non-finite parameters are refused where they enter (issue 17): the checkpoint and export",
-        "loads are tested with NaN / inf weights; a parameter overwritten in memory may give NaN",
-        "logits (no host synchronisation in a forward) and counts as ok if the forward does not crash.",
+        "Non-finite values are refused by name wherever they enter: the checkpoint and export loads",
+        "are tested with NaN / inf weights; a parameter overwritten in memory is refused by every",
+        "forward, naming it (a device-side check: no host synchronisation unless it fails). The",
+        "`non-finite:` entries put NaN, +inf or -inf into every public entry point where a float",
+        "enters (embeddings of every engine, PTLayer's hidden states, CRF and model parameters, SMC",
+        "increments, the diagnostics' weights and states, float token ids given to a loaded export);",
+        "each must be refused naming the argument (else obscure), or, at a padded position only,",
+        f"change nothing. {non_finite_line(summary)}",
         "The optimiser-step guard (a non-finite loss stops training) is not exercised here.",
         "",
         "| entry point | cases | " + " | ".join(OUTCOMES) + " |",
