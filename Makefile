@@ -11,7 +11,7 @@ export JAX_PLATFORMS ?= cpu
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=1
 export MPLBACKEND ?= Agg
 
-.PHONY: demo test test-slow reliability lint venv clean
+.PHONY: demo test test-slow reliability lint venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -34,6 +34,14 @@ reliability: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check graphs inference probformer tests benchmarks
+
+# On a machine lent a CUDA GPU (no .venv there: its own python3 holds torch). Wheels of the
+# packages it lacks (pyro-ppl for the SMCFilter comparison) travel in .whl/ (docs/benchmarks.md).
+GPU_PYTHON ?= python3
+gpu-check:
+	if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+		--upgrade --target /tmp/site .whl/*.whl; fi
+	PYTHONPATH=/tmp/site:$$PYTHONPATH OMP_NUM_THREADS=8 $(GPU_PYTHON) -m benchmarks.gpu_check --device cuda
 
 demo: $(STAMP)
 	$(PY) -m probformer demo
