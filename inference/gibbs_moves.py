@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.tempered_target import TemperedTarget, sample_categorical
+from inference.tempered_target import TemperedTarget
 
 __all__ = ["sweep", "sample_heads", "sample_globals", "update_labels", "label_logits"]
 
@@ -50,7 +50,7 @@ def sweep(target: TemperedTarget, z, h, g, beta, rounds: int, generator=None):
     return z, h, g
 
 
-def _head_tables(target: TemperedTarget):
+def head_tables(target: TemperedTarget):
     """What the head sampler reads, built once per layout: ``rows [d, C, (K + 1) d]`` with
     ``rows[a, c, k d + b] = T[k, c, a, b]`` and a last block of -inf (the column of every arc
     the topology forbids, FORBIDDEN); ``columns [S, N, N]``, k(i, j) d on arcs and K d elsewhere;
@@ -65,26 +65,12 @@ def _head_tables(target: TemperedTarget):
 
 
 def sample_heads(target: TemperedTarget, z, beta, generator=None) -> torch.Tensor:
-    """``h [S, P, C, N]`` drawn from p_beta(h | z), a chunk of systems at a time. The logits
-    ``beta T[k(i, j), c, z_i, z_j] + (1 - beta) log q_h`` are two gathers: the rows of z_i
-    (contiguous), then the column k(i, j) d + z_j of each."""
-    S, P, N = z.shape
-    C = target.table.shape[1]
-    rows, columns, log_qh = target.cached("head_tables", lambda: _head_tables(target))
-    has_head = target.per_system(target.has_head)
-    step = max(1, CHUNK_ENTRIES // max(1, P * C * N * N))
-    heads = []
-    for start in range(0, S, step):
-        part = slice(start, start + step)
-        zs = z[part]
-        s = zs.shape[0]
-        index = (columns[part, None] + zs[:, :, None, :])[:, :, :, None, :].expand(s, P, N, C, N)
-        scores = rows[zs].gather(-1, index)  # [s, P, N(i), C, N(j)]
-        weight = _column(beta[part], 4, scores.dtype).clamp(min=MIN_BETA)
-        logits = torch.lerp(log_qh[part, None], scores, weight)
-        drawn = sample_rows(logits, generator).transpose(-1, -2)  # [s, P, C, N]
-        heads.append(torch.where(has_head[part, None, None], drawn, 0))
-    return torch.cat(heads) if len(heads) > 1 else heads[0]
+    """``h [S, P, C, N]`` drawn from p_beta(h | z) (``collapsed_weights.head_pass``: the logits
+    ``beta T[k(i, j), c, z_i, z_j] + (1 - beta) log q_h`` by two gathers, the rows of z_i, then
+    the column k(i, j) d + z_j of each)."""
+    from inference.collapsed_weights import head_pass
+
+    return head_pass(target, z, [beta], sample=0, generator=generator)[2]
 
 
 def sample_rows(logits: torch.Tensor, generator=None) -> torch.Tensor:
@@ -99,14 +85,9 @@ def sample_rows(logits: torch.Tensor, generator=None) -> torch.Tensor:
 
 def sample_globals(target: TemperedTarget, z, beta, generator=None):
     """``g [S, P, n]`` drawn from p_beta(g | z), or None without global variables."""
-    if target.binary is None:
-        return None
-    n = target.mask.shape[1]
-    mask = target.per_system(target.mask)
-    log_qg = torch.where(mask[..., None], target.per_system(target.log_qg), 0.0)
-    b = _column(beta, 3, target.binary.dtype)
-    logits = b * target.binary.T[z[..., :n]] + (1 - b) * log_qg[:, None]
-    return torch.where(mask[:, None], sample_categorical(logits, generator), 0)
+    from inference.collapsed_weights import global_pass
+
+    return global_pass(target, z, [beta], sample=0, generator=generator)[2]
 
 
 def _label_tables(target: TemperedTarget):

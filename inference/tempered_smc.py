@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference import gibbs_moves
+from inference import collapsed_weights, gibbs_moves
 from inference.posterior import Posterior
 from inference.resamplers import RESAMPLERS, resample_indices
 from inference.tempered_target import TemperedTarget, compile_target
@@ -205,53 +205,89 @@ class TemperedSMC:
         return posterior
 
     def _temper(self, target: TemperedTarget, generator, schedule: torch.Tensor | None = None) -> _Run:
-        """The tempering loop on every system of ``target``: adaptive, or along ``schedule``
-        ``[T, S]`` (the beta of each system after each step)."""
+        """The tempering loop on every system of ``target``, weighing the labels alone
+        (``collapsed_weights``): adaptive, or along ``schedule`` ``[T, S]`` (the beta of each
+        system after each step; the head terms of a step's weights then come from one pass)."""
         P = self.num_particles
-        z, h, g = target.sample_proposal(P, generator)
-        log_ratio = target.log_gamma(z, h, g) - target.log_proposal(z, h, g)  # [S, P] float64
-        if not torch.isfinite(log_ratio).all():
-            raise ValueError("non-finite importance weights log(gamma/q) at the proposal's draws: check the proposal")
-        initial_log_ratio = log_ratio
-        S = log_ratio.shape[0]
-        log_w = log_ratio.new_full((S, P), -math.log(P))
-        beta, log_z = log_ratio.new_zeros(S), log_ratio.new_zeros(S)
-        betas, esses = [beta], []
-        identity = torch.arange(P, device=log_ratio.device).expand(S, P)
-        step, steps = 0, self.max_steps if schedule is None else schedule.shape[0]
+        z = target.sample_proposal(P, generator, labels_only=True)
+        log_q, potential = collapsed_weights.label_terms(target, z)
+        S = z.shape[0]
+        beta, one = log_q.new_zeros(S), log_q.new_ones(S)
+        adaptive = schedule is None
+        heads, slope_h, _ = collapsed_weights.head_pass(target, z, [beta, one], derivative=0 if adaptive else None)
+        glob, slope_g, _ = collapsed_weights.global_pass(target, z, [beta, one], derivative=0 if adaptive else None)
+        log_current = log_q + heads[0] + glob[0]
+        initial_log_ratio = potential + heads[1] + glob[1] - log_q  # log p(z) / q_z(z) up to log Z
+        if not torch.isfinite(initial_log_ratio).all():
+            raise ValueError("non-finite importance weights log(p/q) at the proposal's draws: check the proposal")
+        slope = potential - log_q + slope_h + slope_g if adaptive else None
+        log_w, log_z = log_q.new_full((S, P), -math.log(P)), log_q.new_zeros(S)
+        betas, esses, pending = [beta], [], None
+        identity = torch.arange(P, device=z.device).expand(S, P)
+        steps = self.max_steps if adaptive else schedule.shape[0]
+        step = 0
         while step < steps:
-            remaining = 1.0 - beta
-            if schedule is None:
-                delta = self._increment(log_w, log_ratio, remaining, last=step == steps - 1)
+            if adaptive:
+                remaining = 1.0 - beta
+                delta = self._increment(log_w, slope, remaining, last=step == steps - 1)
+                new_beta = torch.where(delta >= remaining, 1.0, beta + delta)
             else:
-                delta = schedule[step] - beta
-            weighted = log_w + delta[:, None] * log_ratio
+                new_beta = schedule[step]
+            if pending is None:  # the next beta's head terms and draws (a fixed schedule has them)
+                pending = self._next_terms(target, z, None, new_beta, generator)
+            heads_next, glob_next, h, g = pending
+            log_next = torch.lerp(log_q, potential, new_beta[:, None]) + heads_next + glob_next
+            weighted = log_w + (log_next - log_current)
             total = weighted.logsumexp(-1)
-            log_z = log_z + total
-            log_w = weighted - total[:, None]
-            beta = torch.where(delta >= remaining, 1.0, beta + delta)
+            log_z, log_w = log_z + total, weighted - total[:, None]
+            beta = new_beta
             ess = torch.reciprocal((2 * log_w).exp().sum(-1))
             betas.append(beta)
             esses.append(ess)
             resampled = ess < self.resample_threshold * P
             ancestors = resample_indices(log_w.exp(), self.resample, generator)
             ancestors = torch.where(resampled[:, None], ancestors, identity)
-            z, h, log_ratio = _gather(z, ancestors), _gather(h, ancestors), log_ratio.gather(1, ancestors)
+            z, h = _gather(z, ancestors), _gather(h, ancestors)
             g = None if g is None else _gather(g, ancestors)
             log_w = torch.where(resampled[:, None], -math.log(P), log_w)
-            for _ in range(self.sweeps):
+            z = gibbs_moves.update_labels(target, z, h, g, beta, self.rounds, generator)
+            for _ in range(self.sweeps - 1):
                 z, h, g = gibbs_moves.sweep(target, z, h, g, beta, self.rounds, generator)
-            log_ratio = target.log_gamma(z, h, g) - target.log_proposal(z, h, g)
             step += 1
-            if schedule is None and step % self.check_every == 0 and bool((beta >= 1).all()):  # the one device read
+            log_q, potential = collapsed_weights.label_terms(target, z)
+            following = None if adaptive or step == steps else schedule[step]
+            if adaptive or following is not None:  # this beta's terms at the moved labels (and the next's)
+                current, pending, slope = self._current_terms(target, z, beta, following, log_q, potential, generator)
+                log_current = torch.lerp(log_q, potential, beta[:, None]) + current
+            if adaptive and step % self.check_every == 0 and bool((beta >= 1).all()):  # the one device read
                 break
         if not torch.isfinite(log_z).all() or not torch.isfinite(log_w).all():
             raise ValueError("non-finite importance weights during tempering: the potentials or the proposal overflow")
         return _Run(z, h, g, log_z, log_w, initial_log_ratio, torch.stack(betas), torch.stack(esses), step)
 
+    def _next_terms(self, target, z, _, beta, generator):
+        """``(head terms, global terms, h, g)`` at ``beta``, the heads and globals drawn there."""
+        heads, _, h = collapsed_weights.head_pass(target, z, [beta], sample=0, generator=generator)
+        glob, _, g = collapsed_weights.global_pass(target, z, [beta], sample=0, generator=generator)
+        return heads[0], glob[0], h, g
+
+    def _current_terms(self, target, z, beta, following, log_q, potential, generator):
+        """The head and global terms at ``beta`` of labels ``z``; with the schedule's
+        ``following`` beta, that one's terms and draws too (one pass); without it (adaptive), the
+        beta-derivative of log p_beta(z) for the next increment."""
+        betas = [beta] if following is None else [beta, following]
+        sample, derivative = (None, 0) if following is None else (1, None)
+        heads, slope_h, h = collapsed_weights.head_pass(target, z, betas, sample, derivative, generator)
+        glob, slope_g, g = collapsed_weights.global_pass(target, z, betas, sample, derivative, generator)
+        current = heads[0] + glob[0]
+        if following is None:
+            return current, None, potential - log_q + slope_h + slope_g
+        return current, (heads[1], glob[1], h, g), None
+
     def _increment(self, log_w, log_ratio, remaining, last: bool) -> torch.Tensor:
         """``[S]`` the largest delta in [0, remaining] that keeps the conditional ESS >=
-        target_ess (all of ``remaining`` on the last step), by bisection on the device."""
+        target_ess (all of ``remaining`` on the last step), by bisection on the device, with the
+        increments to first order, ``delta log_ratio`` (``log_ratio``: d log p_beta / d beta)."""
         if last:
             return remaining
 

@@ -113,9 +113,10 @@ class TemperedTarget:
             value = value + torch.where(mask[:, None], log_qg, 0.0).double().sum(-1)
         return value
 
-    def sample_proposal(self, particles: int, generator=None):
-        """``(z [S, P, N], h [S, P, C, N], g [S, P, n] or None)`` drawn from q; padded nodes
-        hold label 0 and rows without a legal head hold head 0 (neither is scored)."""
+    def sample_proposal(self, particles: int, generator=None, labels_only: bool = False):
+        """``(z [S, P, N], h [S, P, C, N], g [S, P, n] or None)`` drawn from q (``labels_only``:
+        z alone); padded nodes hold label 0 and rows without a legal head hold head 0 (neither
+        is scored)."""
 
         def draw(log_q):
             rows = self.per_system(log_q)[:, None].expand(-1, particles, *log_q.shape[1:])
@@ -123,6 +124,8 @@ class TemperedTarget:
 
         nodes = self.per_system(self.nodes)[:, None]
         z = torch.where(nodes, draw(self.log_qz), 0)
+        if labels_only:
+            return z
         h = torch.where(self.per_system(self.has_head)[:, None, None], draw(self.log_qh), 0)
         g = None if self.log_qg is None else draw(self.log_qg)
         return z, h, g
