@@ -120,7 +120,7 @@ def test_disk_full_during_save_is_one_error_naming_the_path_and_leaves_nothing(t
 
     model = next(models())
 
-    def full_disk(tensors, path, metadata=None):
+    def full_disk(tensors, path):
         with open(path, "wb") as handle:  # half a file, as a full disk leaves it
             handle.write(b"\0" * 10)
         raise OSError(errno.ENOSPC, "No space left on device")
