@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from probformer.mup.coord_check import progress_bar
 from probformer.training import run_config
 from probformer.training.trainer import train
 
@@ -131,15 +132,22 @@ def sweep(configs: list[str], grids: dict[str, list[float]], seeds: int, max_ext
         results.unlink()
     # the library is imported once, here, so every run of this process uses the code of this commit
     code = commit()
+    # the sweep adapts (an edge best adds a grid step), so the total is the planned grid, an estimate
+    planned = sum(len(grids[c]) for c in configs) + (seeds - 1) * len(configs)
+    done_before = {run_key(r["config"], r["lr"], r["seed"]) for r in load_results(results)}
+    bar = progress_bar(planned, f"lr sweep of {len(configs)} configs, runs")
+    bar.update(min(len(done_before), planned))
 
     def ensure(config: str, lr: float, seed: int) -> None:
         done = {run_key(r["config"], r["lr"], r["seed"]) for r in load_results(results)}
         if run_key(config, lr, seed) in done:
             return
-        print(f"training {run_key(config, lr, seed)}", flush=True)
+        bar.write(f"training {run_key(config, lr, seed)}")
         row = train_one(config, lr, seed, steps, root, code)
         append_result(results, row)
-        print(json.dumps(row), flush=True)
+        bar.write(json.dumps(row))
+        bar.total = max(bar.total, bar.n + 1)
+        bar.update(1)
 
     # ring by ring, one point per model per pass, so every model advances at the same pace
     for distance in range(max(len(grid) for grid in grids.values()) // 2 + 1):
@@ -161,6 +169,7 @@ def sweep(configs: list[str], grids: dict[str, list[float]], seeds: int, max_ext
     for seed in range(1, seeds):
         for config in configs:
             ensure(config, best_lr(load_results(results), config), seed)
+    bar.close()
 
 
 def mean_sd(values: list[float]) -> str:

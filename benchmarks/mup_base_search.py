@@ -29,6 +29,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
+from probformer.mup.coord_check import progress_bar  # noqa: E402
 from probformer.mup.neighbourhood import base_point, with_point  # noqa: E402
 from probformer.training import run_config  # noqa: E402
 from probformer.training.trainer import train  # noqa: E402
@@ -54,8 +55,11 @@ def main() -> None:
     out = Path(args.out)
     record = json.loads(out.read_text()) if out.is_file() else {"config": args.config, "runs": {}}
     losses: dict[str, float] = {k: v["valid_loss"] for k, v in record["runs"].items()}
+    # at most one base run and two trials per hyper-parameter and step factor (the saved ones are skipped)
+    bar = progress_bar(1 + 2 * 7 * len(steps), "μP base search, runs (at most)")
 
     def loss(point: dict[str, float]) -> float:
+        bar.update(1)
         if key(point) not in losses:
             with tempfile.TemporaryDirectory() as scratch:
                 summary = train(with_point(config, point), Path(scratch) / "run", progress=False)
@@ -63,7 +67,7 @@ def main() -> None:
             record["runs"][key(point)] = {"point": point, "valid_loss": losses[key(point)]}
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(record, indent=1))
-            print(f"{losses[key(point)]:.5f} {point}", flush=True)
+            bar.write(f"{losses[key(point)]:.5f} {point}")
         return losses[key(point)]
 
     point = base_point(config)
@@ -75,6 +79,7 @@ def main() -> None:
             scored = min(((loss(t), t) for t in trials), key=lambda pair: pair[0])
             if scored[0] < best:
                 best, point = scored
+    bar.close()
     record["tuned"] = {"point": point, "valid_loss": best, "improvement": 1 - best / record["base"]["valid_loss"]}
     out.write_text(json.dumps(record, indent=1))
     weights = ", ".join(f"{k} = {v:.6g}" for k, v in point.items() if k != "lr")

@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from probformer import mup
+from probformer.mup.coord_check import progress_bar
 from probformer.training import run_config
 from probformer.training.trainer import train
 
 
-def sweep(base: run_config.RunConfig, widths, lrs, use_mup: bool, scratch: Path) -> dict:
+def sweep(base: run_config.RunConfig, widths, lrs, use_mup: bool, scratch: Path, bar) -> dict:
     results = {}
     for width in widths:
         model = base.model_config(vocab_size=8)
@@ -39,11 +40,11 @@ def sweep(base: run_config.RunConfig, widths, lrs, use_mup: bool, scratch: Path)
             summary = train(config, scratch / f"{use_mup}-{width}-{lr}", progress=False)
             loss = summary["valid"]["loss"]
             results.setdefault(width, {})[lr] = loss
-            print(
+            bar.write(
                 f"{'mup' if use_mup else 'standard':8s} d={width:4d} lr={lr:.2e} valid loss {loss:.4f} "
-                f"({time.perf_counter() - started:.0f} s, {summary['parameters'] / 1e6:.2f}M params)",
-                flush=True,
+                f"({time.perf_counter() - started:.0f} s, {summary['parameters'] / 1e6:.2f}M params)"
             )
+            bar.update((width / widths[0]) ** 2)  # a run's cost grows about as width squared
     return results
 
 
@@ -64,9 +65,11 @@ def main() -> None:
     centre = args.centre
     lrs = [centre * 2.0 ** (k - args.lrs // 2) for k in range(args.lrs)]
     report = {"config": args.config, "steps": base.train.steps, "widths": widths, "lrs": lrs}
-    with tempfile.TemporaryDirectory() as scratch:
+    total = 2 * len(lrs) * sum((w / widths[0]) ** 2 for w in widths)
+    bar = progress_bar(total, f"μP transfer, {2 * len(lrs) * len(widths)} runs")
+    with tempfile.TemporaryDirectory() as scratch, bar:
         for name, use_mup in (("mup", True), ("standard", False)):
-            losses = sweep(base, widths, lrs, use_mup, Path(scratch))
+            losses = sweep(base, widths, lrs, use_mup, Path(scratch), bar)
             best = {w: min(losses[w], key=losses[w].get) for w in widths}
             shift = {w: round(math.log2(best[w] / best[widths[0]])) for w in widths}
             report[name] = {"losses": losses, "best_lr": best, "grid_steps_from_smallest": shift}

@@ -42,7 +42,11 @@ def add_commands(commands, **parser_options) -> None:
         description="Train a few steps at each width and plot every activation group's size: flat under μP.",
         **parser_options,
     )
-    check.add_argument("--out", required=True, help="folder for coord_check.json and the PNGs")
+    check.add_argument(
+        "--out",
+        default="runs/coord-check",
+        help="folder for coord_check.json and the PNGs (docs/mup holds the documented ones; pass it to refresh them)",
+    )
     check.add_argument("--widths", type=_widths, default="64,128,256,512,1024", help="comma-separated widths")
     check.add_argument("--steps", type=int, default=5, help="AdamW steps per width")
     check.add_argument("--lr", type=float, default=1e-2, help="learning rate")
@@ -61,18 +65,33 @@ def add_commands(commands, **parser_options) -> None:
     search.add_argument("--out", help="JSON report path (default: none written)")
 
 
+def check_arguments(args) -> None:
+    """Every argument checked before any import or work (``ValueError`` naming it)."""
+    if args.mup_command == "coord-check":
+        if args.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {args.steps}")
+        if not 0 < args.lr < float("inf"):
+            raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a file; coord-check writes a folder")
+        return
+    if not Path(args.config).is_file():
+        raise FileNotFoundError(f"config file {args.config} does not exist")
+    if args.samples is not None and args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if not 0 < args.radius < 1:
+        raise ValueError(f"--radius must lie in (0, 1), got {args.radius}")
+
+
 def run(args) -> int:
     """Run the verb ``args.mup_command`` parsed by ``add_commands``."""
-    if args.mup_command == "neighbourhood" and not Path(args.config).is_file():  # before importing torch
-        raise FileNotFoundError(f"config file {args.config} does not exist")
+    check_arguments(args)  # before importing torch
     import torch
 
     torch.set_num_threads(1)
     if args.mup_command == "coord-check":
         from probformer.mup import coord_check
 
-        if args.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {args.steps}")
         widths = args.widths if isinstance(args.widths, list) else _widths(args.widths)
         coord_check.main(args.out, widths=widths, steps=args.steps, lr=args.lr)
         out = Path(args.out)

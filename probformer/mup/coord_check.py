@@ -4,7 +4,7 @@ For each width, train a few AdamW steps on the same PTB MLM batches (same seed) 
 record the mean |coordinate| of every activation group at every step (step 0 = at
 initialisation). Under μP each group's size should be flat in width; under the
 standard parametrisation something drifts (the control that proves the check can
-fail). Groups (pt-spec.md §4.3):
+fail). Groups (docs/mup.md, "Coordinate check"):
 
     unary               S[w_i], the input layer
     quasi_distribution  d * q_z - 1 after the last iteration: its distance from uniform
@@ -77,11 +77,26 @@ def fixed_batches(steps: int, batch_size: int = 16, max_length: int = 20, vocab_
     return out, len(vocabulary)
 
 
-def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, batches=None) -> dict:
+def work(width: int, base: int) -> float:
+    """The relative cost of one seed's run at ``width``: the head kernel's C·d·r and the
+    ternary tables grow as width squared, so the progress bar's estimate weighs by it."""
+    return (width / base) ** 2
+
+
+def progress_bar(total: float, description: str):
+    """A tqdm bar with an estimate of the time left, on stderr when it is a terminal
+    (disabled otherwise: a log file gets no carriage returns)."""
+    from tqdm.auto import tqdm
+
+    layout = "{desc}: {percentage:3.0f}%|{bar}| elapsed {elapsed}, about {remaining} left"
+    return tqdm(total=total, desc=description, disable=None, bar_format=layout, dynamic_ncols=True)
+
+
+def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, batches=None, progress=None) -> dict:
     """``{"widths", "steps", "sizes": {width: {group: [size at step 0..steps]}}}`` for
     ``base_config`` widened to each width (its ``mup`` flag picks the parametrisation),
     each size averaged over ``seeds`` initialisations (one seed's random features make
-    narrow models noisy)."""
+    narrow models noisy). ``progress``: a tqdm bar advanced by ``work`` per seed."""
     from probformer.models.probabilistic_transformer import ProbabilisticTransformer
 
     if batches is None:
@@ -107,6 +122,8 @@ def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, b
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+            if progress is not None:
+                progress.update(work(width, min(widths)))
         sizes[width] = per_step
     return {"widths": list(widths), "steps": steps, "seeds": seeds, "sizes": sizes}
 
@@ -170,6 +187,8 @@ def main(out, widths=(64, 128, 256, 512, 1024), steps: int = 5, lr: float = 1e-2
         "rank": {"channels": 2, "rank": max(1, base // 4)},
     }
     summary = {}
+    total = len(starts) * 2 * 4 * sum(work(w, base) for w in widths)  # paradigms x parametrisations x seeds
+    bar = progress_bar(total, f"coord-check, widths {min(widths)}..{max(widths)}")
     for paradigm, shape in starts.items():
         results = {}
         for name, use_mup in (("standard", False), ("mup", True)):
@@ -182,8 +201,8 @@ def main(out, widths=(64, 128, 256, 512, 1024), steps: int = 5, lr: float = 1e-2
                 mup_paradigm=paradigm,
                 **shape,
             )
-            results[name] = run(config, widths, steps=steps, lr=lr, batches=batches)
-            print(
+            results[name] = run(config, widths, steps=steps, lr=lr, batches=batches, progress=bar)
+            bar.write(
                 f"{paradigm:8s} {name:8s} max/min over widths: "
                 + ", ".join(f"{g} {r:.2f}" for g, r in width_ratios(results[name]).items())
             )
@@ -196,5 +215,6 @@ def main(out, widths=(64, 128, 256, 512, 1024), steps: int = 5, lr: float = 1e-2
             }
             for name, result in results.items()
         }
+    bar.close()
     (out / "coord_check.json").write_text(json.dumps(summary, indent=1))
     return summary

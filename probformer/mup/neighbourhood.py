@@ -19,6 +19,7 @@ import torch
 
 import inference
 from probformer.mup import base_width
+from probformer.mup.coord_check import progress_bar
 from probformer.training import run_config
 
 __all__ = ["samples_needed", "base_point", "perturb", "run"]
@@ -66,11 +67,14 @@ def run(config_path, samples: int | None = None, radius: float = 0.5, seed: int 
     generator = torch.Generator().manual_seed(seed)
     points = [base] + [perturb(base, radius, generator) for _ in range(samples)]
     results = []
-    with tempfile.TemporaryDirectory() as scratch:
+    budget = f"{config.train.steps} steps" if config.train.steps else f"{config.train.epochs} epochs"
+    bar = progress_bar(len(points), f"neighbourhood, {len(points)} runs of {budget}")
+    with tempfile.TemporaryDirectory() as scratch, bar:
         for index, point in enumerate(points):
             summary = train(with_point(config, point), Path(scratch) / f"run-{index}", progress=False)
             results.append({"point": point, "valid_loss": summary["valid"]["loss"]})
-            print(f"{'base' if index == 0 else f'sample {index}'}: loss {results[-1]['valid_loss']:.4f}", flush=True)
+            bar.write(f"{'base' if index == 0 else f'sample {index}'}: loss {results[-1]['valid_loss']:.4f}")
+            bar.update(1)
     losses = [r["valid_loss"] for r in results]
     rank = 1 + sum(loss < losses[0] for loss in losses[1:])
     report = {
