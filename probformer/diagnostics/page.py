@@ -45,9 +45,7 @@ READING = {
         "Mean-field ELBO",
         "The evidence lower bound of the PT's mean-field inference after each iteration, in "
         "nats per sentence (a lower bound on the log partition function of the sentence's "
-        "CRF): mean over sentences, band = range. Coordinate-ascent mean field should raise "
-        "it at every iteration and flatten out; a fall or an oscillation means the damping or "
-        "the number of iterations needs attention.",
+        "CRF): mean over sentences, band = range. {elbo_reading}",
     ),
     "routing": (
         "Cluster routing",
@@ -57,6 +55,32 @@ READING = {
         "(the other clusters are wasted); layers may have different numbers C of clusters.",
     ),
 }
+
+
+# what the ELBO curve should do: coordinate ascent or not (report.coordinate_ascent)
+ELBO_READING = {
+    True: (
+        "This model ran the {schedule} schedule with the CRF's own messages (information "
+        "weights 1, no μP scales, no damping): coordinate ascent, where each update maximises "
+        "the bound in one node's factor, so the curve never falls and flattens out as "
+        "inference converges; a fall means a numerical problem."
+    ),
+    False: (
+        "This model ran the {schedule} schedule{settings}: not coordinate ascent on this bound "
+        "(the unrolled schedules update many nodes at once from the previous iteration's "
+        "values; information weights, μP scales and damping change the updates), so the bound "
+        "need not rise at every iteration, and a trained PT's curve may fall or stay flat while "
+        "its predictions are good (training fits the task loss, not the ELBO). Read it as how "
+        "much inference still changes: a curve that still moves at the last iteration means "
+        "more iterations would change the answer; a large oscillation calls for damping."
+    ),
+}
+
+
+def elbo_reading(schedule: str, coordinate_ascent) -> str:
+    name = repr(schedule) if schedule else "(unrecorded)"
+    settings = " with information weights, μP or damping other than the CRF's own" if schedule == "sequential" else ""
+    return ELBO_READING[bool(coordinate_ascent)].format(schedule=name, settings=settings)
 
 
 def write_page(data, directory, figures: list[str]) -> Path:
@@ -71,9 +95,13 @@ def write_page(data, directory, figures: list[str]) -> Path:
         "`arviz.from_netcdf('report.nc')`). Figures show means over the sentences.",
         "",
     ]
+    if stats.attrs.get("schedule"):
+        lines += [f"Mean-field schedule: `{stats.attrs['schedule']}`.", ""]
     for name in figures:
         title, reading = READING[Path(name).stem]
-        lines += [f"## {title}", "", f"![{title}]({name})", "", reading.format(depth=depth, width=width), ""]
+        elbo = elbo_reading(stats.attrs.get("schedule", ""), stats.attrs.get("coordinate_ascent", 0))
+        text = reading.format(depth=depth, width=width, elbo_reading=elbo)
+        lines += [f"## {title}", "", f"![{title}]({name})", "", text, ""]
     path = Path(directory) / "report.md"
     path.write_text("\n".join(lines))
     return path

@@ -40,7 +40,7 @@ import torch
 from inference import arviz_interop
 from probformer.diagnostics.measures import DRAW, Measures, measure
 
-__all__ = ["report", "VARIABLES", "layer_means", "describe"]
+__all__ = ["report", "VARIABLES", "layer_means", "describe", "coordinate_ascent"]
 
 # name -> (long name, units): the labels of every figure, table and docs entry
 VARIABLES = {
@@ -91,6 +91,10 @@ def to_inference_data(measures: Measures, model, tokens):
         "draw": "one sentence of the batch (chain: the batch)",
         "pareto_k_threshold": measures.pareto_k_threshold,
         "pareto_k_reliable": int(measures.pareto_k_reliable),
+        # which mean-field schedule ran (the PT's; "" for other models), and whether its updates
+        # are coordinate ascent on the reported ELBO (then, and only then, the ELBO never falls)
+        "schedule": str(getattr(getattr(model, "mean_field", None), "schedule", "")),
+        "coordinate_ascent": int(coordinate_ascent(getattr(model, "mean_field", None))),
     }
     for group in data.groups():
         data[group].attrs.update(attrs)
@@ -100,6 +104,18 @@ def to_inference_data(measures: Measures, model, tokens):
     data["constant_data"]["tokens"].attrs.update(long_name="token id", units="vocabulary index")
     data["constant_data"]["mask"].attrs.update(long_name="real token (1) or padding (0)", units="flag")
     return data
+
+
+def coordinate_ascent(engine) -> bool:
+    """Whether a mean-field engine's updates are coordinate ascent on the ELBO it reports:
+    the sequential schedule with the CRF's own messages (all information weights 1, no
+    μP scales, no damping, full steps). Any other setting updates with other multipliers
+    or from stale values, so its ELBO may fall between iterations."""
+    if engine is None or getattr(engine, "schedule", None) != "sequential" or engine.mup:
+        return False
+    weights = [getattr(engine.weights, name) for name in engine.weights.__dataclass_fields__]
+    undamped = tuple(engine.damping) == (0.0, 0.0) and tuple(engine.step_size) == (1.0, 1.0)
+    return all(w == 1.0 for w in weights) and undamped
 
 
 def layer_means(data) -> dict[str, np.ndarray]:
