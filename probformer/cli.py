@@ -76,6 +76,12 @@ def _data_options(parser, sentences: int, what: str, default_data: str) -> None:
     parser.add_argument("--sentences", type=int, default=sentences, help=what)
 
 
+MODEL_HELP = (
+    "a model folder: a training run's (its model/, else its latest checkpoint), a run's model/, a checkpoint "
+    "or a torch export"
+)
+
+
 def build_parser() -> _Parser:
     parser = _Parser(
         prog="probformer",
@@ -113,22 +119,24 @@ def build_parser() -> _Parser:
         "--print-config", action="store_true", help="print the validated config (file + --set) as JSON and stop"
     )
 
-    evaluate = _verb(commands, "evaluate", "metric table of a model (a run folder or a checkpoint folder)")
-    evaluate.add_argument("model", metavar="MODEL", help="a training-run folder or a checkpoint folder")
+    evaluate = _verb(commands, "evaluate", "metric table of a model (a run, checkpoint or torch-export folder)")
+    evaluate.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     evaluate.add_argument("--task", required=True, choices=["mlm", "lm", "pos", "uas"], help="the metric")
     _data_options(evaluate, 0, "evaluate the first N sentences of the split (0: all)", "ptb, or ewt for pos/uas")
 
     diagnose = _verb(
-        commands, "diagnose", "per-layer ESS, Pareto k-hat, diversity and ELBO of a model (a run or checkpoint)"
+        commands, "diagnose", "per-layer ESS, Pareto k-hat, diversity and ELBO of a model (any model folder)"
     )
-    diagnose.add_argument("model", metavar="MODEL", help="a training-run folder or a checkpoint folder")
+    diagnose.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     _data_options(diagnose, 16, "diagnose the first N sentences of the split", "ptb")
     diagnose.add_argument("--out", required=True, help="folder for report.nc and the PNG figures")
 
     export = _verb(commands, "export", "write a model for deployment (torch folder, torch.export .pt2 or ONNX)")
-    export.add_argument("model", metavar="MODEL", help="a training-run folder or a checkpoint folder")
+    export.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     export.add_argument("--format", default="torch", choices=["torch", "exported", "onnx"], help="the artefact")
-    export.add_argument("--out", required=True, help="a folder (torch), a .pt2 file (exported) or a .onnx file")
+    export.add_argument(
+        "--out", required=True, help="a folder (torch), a .pt2 file (exported) or a .onnx file (onnx), as --format"
+    )
 
     mup = _verb(commands, "mup", "μP tools: coordinate check and neighbourhood search (docs/mup.md)")
     mup_verbs = mup.add_subparsers(dest="mup_command", required=True, metavar="MUP_VERB")
@@ -171,7 +179,7 @@ def _run_failed(error: BaseException) -> bool:
     return written or isinstance(error, FloatingPointError)
 
 
-def _existing(path: str, what: str = "a checkpoint nor a training-run folder") -> str:
+def _existing(path: str, what: str = "a checkpoint, a model folder nor a training-run folder") -> str:
     """Fail before the heavy imports when a MODEL path does not exist."""
     if not Path(path).exists():
         raise FileNotFoundError(f"{path} is neither {what}: it does not exist")
@@ -182,6 +190,10 @@ def _existing(path: str, what: str = "a checkpoint nor a training-run folder") -
 
 
 def run_demo(args) -> int:
+    if args.steps < 0:
+        raise ValueError(f"--steps must be >= 0 (0: the configs' own), got {args.steps}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file; the demo writes its runs into a folder")
     from probformer import demo
 
     return demo.main(args.steps, args.out)
@@ -208,6 +220,7 @@ def run_train(args) -> int:
 
 def run_evaluate(args) -> int:
     _check_count(args.sentences, 0)
+    _check_source(*_old_data_spelling(args.data, args.split))
     _existing(args.model)
     from probformer.training import evaluate as evaluation
 
@@ -219,7 +232,23 @@ def run_evaluate(args) -> int:
     return 0
 
 
+# the file suffix each export format writes (the torch format writes a folder)
+EXPORT_SUFFIXES = {"exported": ".pt2", "onnx": ".onnx"}
+
+
+def _check_export_path(out: str, format: str) -> None:
+    """``--out`` must be what ``--format`` writes, checked before anything is traced."""
+    suffix = Path(out).suffix.lower()
+    wanted = EXPORT_SUFFIXES.get(format)
+    if wanted is None and suffix in EXPORT_SUFFIXES.values():
+        other = next(f for f, s in EXPORT_SUFFIXES.items() if s == suffix)
+        raise ValueError(f"--out {out} names a {suffix} file, but --format torch writes a folder (--format {other}?)")
+    if wanted is not None and suffix != wanted:
+        raise ValueError(f"--out {out} does not end in {wanted}, the file --format {format} writes")
+
+
 def run_export(args) -> int:
+    _check_export_path(args.out, args.format)
     _existing(args.model)
     from probformer import deploy
 
@@ -252,11 +281,19 @@ def _old_data_spelling(data: str | None, split: str | None) -> tuple[str | None,
     return data, split
 
 
+def _check_source(source: str | None, split: str | None) -> None:
+    """``--data`` names a corpus, a Hugging Face dataset or an existing file or folder."""
+    if source is not None and source not in ("ptb", "ewt") and not source.startswith("hf:"):
+        if not Path(source).exists():
+            raise FileNotFoundError(f"--data {source!r} is neither ptb, ewt nor an existing file or folder")
+
+
 def run_diagnose(args) -> int:
     _check_count(args.sentences, 1)
     source, split = _old_data_spelling(args.data or "ptb", args.split)
-    if source not in ("ptb", "ewt") and not source.startswith("hf:") and not Path(source).exists():
-        raise FileNotFoundError(f"--data {source!r} is neither ptb, ewt nor an existing file or folder")
+    _check_source(source, split)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file; diagnose writes report.nc and figures into a folder")
     _existing(args.model)
     from probformer import diagnostics
     from probformer.training import evaluate as evaluation

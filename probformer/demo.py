@@ -69,15 +69,26 @@ def export(run: Path) -> dict[str, Path]:
     }
 
 
-def main(steps: int = 0, out: str = "runs/demo") -> int:
-    """``steps`` > 0 shortens both training runs (a smoke test)."""
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    oracles_on_a_sentence(data.ptb_sentences("valid")[7][:6])
-    results = {}
+def configs(steps: int = 0) -> dict[str, run_config.RunConfig]:
+    """Both runs' validated configs (``steps`` > 0 shortens them): checked before any work."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"--steps must be an integer >= 0 (0: the configs' own), got {steps!r}")
+    loaded = {}
     for name in ("demo-pt", "demo-bert"):
         config = run_config.load(CONFIGS / f"{name}.toml")
         if steps:
             config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps, eval_every=0))
+        loaded[name] = config
+    return loaded
+
+
+def main(steps: int = 0, out: str = "runs/demo") -> int:
+    """``steps`` > 0 shortens both training runs (a smoke test)."""
+    runs = configs(steps)  # every config checked before the oracles run
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    oracles_on_a_sentence(data.ptb_sentences("valid")[7][:6])
+    results = {}
+    for name, config in runs.items():
         run = Path(out) / name
         if run.exists():
             import shutil
@@ -102,5 +113,25 @@ def main(steps: int = 0, out: str = "runs/demo") -> int:
         f"  PT exported (logits match within 1e-5; docs/export.md): {exports['torch']} "
         f"(torch + safetensors only), {exports['onnx']} (onnxruntime)"
     )
-    print(f"  evaluate: probformer evaluate {pt_run} --task mlm")
+    command = cli_command()
+    print("\nnext (each runs as printed, from this folder):")
+    print(f"  {command} evaluate {pt_run} --task mlm")
+    print(f"  {command} diagnose {pt_run} --out {pt_run / 'diagnosis'}")
+    print(f"  {command} export {pt_run} --format onnx --out {pt_run / 'export' / 'model.onnx'}")
+    print(f"  in Python: model = probformer.from_pretrained({str(pt_run / 'model')!r})")
     return 0
+
+
+def cli_command() -> str:
+    """How to call the ``probformer`` command from the current folder: the script beside
+    this interpreter (``.venv/bin/probformer`` after ``make demo``), so the printed
+    commands run without activating the virtualenv; plain ``probformer`` when that
+    script is not there."""
+    import os
+    import sys
+
+    script = Path(sys.executable).parent / "probformer"
+    if not script.is_file():
+        return "probformer"
+    relative = os.path.relpath(script)
+    return relative if not relative.startswith("..") else str(script)
