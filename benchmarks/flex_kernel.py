@@ -7,6 +7,7 @@ the tables. d = 256, C = 8, r = 64, topology "full", gamma = 3 (K = 8 groups), f
 
     .venv/bin/python benchmarks/flex_kernel.py                 # CPU, 2 threads
     .venv/bin/python benchmarks/flex_kernel.py --device cuda   # where a GPU is lent
+    .venv/bin/python benchmarks/flex_kernel.py --masks         # the block masks' build time
 
 CPU: time (best of 3 after a warm-up) at B = 2, n = 128 and 512, then the peak resident
 memory of one step at B = 1, n = 2048, each kernel in a fresh process (growth of the peak
@@ -150,14 +151,45 @@ def cuda_rows(lengths=(512, 1024, 2048, 4096, 8192), batch: int = 1) -> list[dic
     return rows
 
 
+def mask_build_times(lengths=(2048, 4096), batch: int = 8) -> list[dict]:
+    """Seconds to build the flex kernel's block masks for a new batch of a full-topology PT
+    (K = 8 groups, C = 8 channels) through ``MeanField.structure``: the first batch of a
+    length (the topology's block table built and cached) and a later one (only the batch's
+    own step), each the best of 3."""
+    from inference import MeanField, flex_masks
+
+    rows = []
+    for n in lengths:
+        crf = graphs.CRF(vocab_size=10, labels=16, channels=CHANNELS, rank=4, topology="full", gamma=GAMMA)
+        engine = MeanField(crf, kernel="flex")
+        tokens = torch.randint(0, 10, (batch, n))
+        times = {}
+        for case in ("first", "later"):
+            best = math.inf
+            for _ in range(3):
+                if case == "first":
+                    flex_masks._band_blocks.cache_clear()
+                structure = engine.structure(tokens, None)[2]
+                start = time.perf_counter()
+                flex_masks.block_masks(structure, flex_masks.group_count(structure), CHANNELS)
+                best = min(best, time.perf_counter() - start)
+            times[case] = round(best * 1000, 2)
+        rows.append({"n": n, "B": batch, "first_batch_ms": times["first"], "later_batch_ms": times["later"]})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--peak", nargs=3, metavar=("KERNEL", "N", "B"), help=argparse.SUPPRESS)
     parser.add_argument("--lengths", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--masks", action="store_true", help="only the block masks' build time (CPU)")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    if args.peak:
+    if args.masks:
+        mask_build_times()
+    elif args.peak:
         kernel, n, batch = args.peak
         print(json.dumps(cpu_peak(kernel, int(n), int(batch))))
     elif args.device == "cuda":

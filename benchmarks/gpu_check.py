@@ -56,14 +56,16 @@ def left_out_test_modules(missing: list[str]) -> list[str]:
 
 def cuda_tests(missing: list[str], budget_s: float) -> dict:
     files = [f for f in CUDA_TEST_FILES if f not in left_out_test_modules(missing)]
-    command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-k", "cuda or Cuda", *files]
+    # -v: one line per test as it ends, so a run cut short by the budget still counts what passed
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "cuda or Cuda", *files]
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=budget_s, check=False)
         output, status = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as expired:
         output, status = (expired.stdout or b"").decode(errors="replace") if isinstance(expired.stdout, bytes) else (
             expired.stdout or ""), "timed out"  # fmt: skip
-    outcomes = {kind: len(re.findall(rf"^{kind} ", output, re.MULTILINE)) for kind in ("PASSED", "FAILED", "ERROR")}
+    outcomes = {kind: len(re.findall(rf"^tests/\S*::.* {kind}\b", output, re.MULTILINE))
+                for kind in ("PASSED", "FAILED", "ERROR", "SKIPPED")}  # fmt: skip
     return {"command": " ".join(command[1:]), "files": files, "left_out": left_out_test_modules(missing),
             "status": status, **{k.lower(): v for k, v in outcomes.items()}, "tail": output[-3000:]}  # fmt: skip
 
@@ -134,7 +136,8 @@ def markdown(report: dict) -> str:
              f"{', '.join(env['missing_packages']) or 'none'}.", ""]  # fmt: skip
     if tests:
         lines += [f"CUDA tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, "
-                  f"{tests.get('error', 0)} errors (status {tests.get('status')}); left out: "
+                  f"{tests.get('error', 0)} errors, {tests.get('skipped', 0)} skipped (status {tests.get('status')}); "
+                  "left out: "
                   f"{', '.join(tests.get('left_out', [])) or 'none'}.", ""]  # fmt: skip
     lines += ["| target | measured | threshold |", "|---|---|---|"]
     lines += [f"| {target} | {measured} | {threshold} |" for target, measured, threshold in verdicts(report["results"])]

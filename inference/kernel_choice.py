@@ -58,31 +58,68 @@ def fused_compute_dtype(engine, scale: float) -> torch.dtype | None:
     """float64 when the CRF's parameters allow head scores (times ``scale``) beyond what
     the fused kernel computes accurately in float32, else None (the input's type).
 
-    The bound is a host sync, so it is recomputed only when a parameter changed (its
-    version counter, a host-side number), e.g. once per optimiser step, never per
-    forward of a fixed model; under torch.compile / export the last value read eagerly
-    (at construction at the latest) is used."""
+    The bound is recomputed only when a parameter changed (its version counter, a host-side
+    number), e.g. once per optimiser step, never per forward of a fixed model; under
+    torch.compile / export the last value read eagerly (at construction at the latest) is
+    used. Reading it is a host sync on the CPU; on a GPU it is copied back without one
+    (``_bound_without_sync``), so a training step that moved the bound is seen from the next
+    parameter change on (one step late)."""
     cached = getattr(engine, "_score_bound_cache", None)
     if engine.crf.unary.is_meta:  # shapes only (nothing to read): the input's type
         bound = 0.0
     elif torch.compiler.is_compiling() or torch.compiler.is_exporting():
         bound = cached[1] if cached is not None else 0.0  # a traced graph reads no version counter
     else:
+        cached = _arrived(engine, cached)
         try:
             state = tuple((id(p), p._version) for p in engine.crf.parameters())
         except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
             state = None
         if state is None or cached is None or cached[0] != state:
-            with torch.no_grad():  # host reads: the scores' bound and the bias's
-                u, v, bias = engine.crf.projection_tables()
-                scores = head_kernels.score_bound(u, v)
-                largest_bias = scores.new_zeros(()) if bias is None else bias.abs().max()
-                bound = (float(scores), float(largest_bias))
-            engine._score_bound_cache = (state, bound)
+            bound = _bound_without_sync(engine, state, cached)
         else:
             bound = cached[1]
     scores, bias = bound if isinstance(bound, tuple) else (bound, 0.0)
     return torch.float64 if abs(scale) * scores + bias > FUSED_FLOAT32_MAX_SCORE else None
+
+
+def _device_bound(engine) -> torch.Tensor:
+    """``[2]``: the head scores' bound and the bias's largest magnitude, on the parameters' device."""
+    with torch.no_grad():
+        u, v, bias = engine.crf.projection_tables()
+        scores = head_kernels.score_bound(u, v)
+        largest_bias = scores.new_zeros(()) if bias is None else bias.abs().max().to(scores.dtype)
+        return torch.stack([scores, largest_bias])
+
+
+def _arrived(engine, cached):
+    """The cache, with a bound copied from the GPU adopted once its event has passed (it is
+    the bound of the parameters as they were when it was sent: newer than any cached one)."""
+    pending = getattr(engine, "_score_bound_pending", None)
+    if pending is None or not pending[2].query():
+        return cached
+    engine._score_bound_pending = None
+    state = cached[0] if cached is not None else pending[0]
+    engine._score_bound_cache = (state, tuple(float(x) for x in pending[1]))
+    return engine._score_bound_cache
+
+
+def _bound_without_sync(engine, state, cached) -> tuple[float, float]:
+    """The bound for parameter ``state``, cached on the engine. On the CPU (or without an
+    earlier value) read at once; on a GPU copied into pinned memory behind an event, read at
+    a later call once the event has passed, the previous value serving until then."""
+    values = _device_bound(engine)
+    if values.device.type != "cuda" or cached is None or state is None:
+        bound = tuple(float(x) for x in values.cpu())
+        engine._score_bound_cache = (state, bound)
+        return bound
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    engine._score_bound_pending = (state, host, event)
+    engine._score_bound_cache = (state, cached[1])  # this state's value is on its way
+    return cached[1]
 
 
 def heads(engine, query, key, value, value_rev, structure, kernel, previous=None, groups=None):
