@@ -37,6 +37,7 @@ import functools
 import math
 
 import torch
+import torch.nn.attention.flex_attention as flex_module
 import torch.nn.functional as F
 from torch._higher_order_ops.flex_attention import flex_attention as _flex_reference
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
@@ -80,6 +81,16 @@ def flex_available(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _head_dim(width: int) -> int:
+    """The head dimension a projection is zero-padded to: at least 16, and a power of two
+    where this torch's flex_attention accepts no other (older releases refuse, e.g., the
+    reverse attention's r + 1)."""
+    if width <= _MIN_HEAD_DIM:
+        return _MIN_HEAD_DIM
+    supported = getattr(flex_module, "_supported_head_dim", None)
+    return width if supported is None or supported(width) else 1 << (width - 1).bit_length()
+
+
 def _same_score(score, batch, head, q_idx, kv_idx):
     return score
 
@@ -90,8 +101,8 @@ def _attention(q, k, v, block_mask, kind: tuple = ()):
     heads: query head h reads key/value head h // (H_q / H_kv). ``kind``: what the mask_mod's
     code and constants are (the topology's kind), part of the compiled configuration."""
     width = v.shape[-1]
-    pad = lambda t: F.pad(t, (0, max(0, _MIN_HEAD_DIM - t.shape[-1])))  # noqa: E731
-    q, k, v = pad(q), pad(k), pad(v)
+    pad = lambda t, width: F.pad(t, (0, width - t.shape[-1]))  # noqa: E731  (zeros: dot products unchanged)
+    q, k, v = pad(q, _head_dim(q.shape[-1])), pad(k, _head_dim(k.shape[-1])), pad(v, _head_dim(v.shape[-1]))
     gqa = k.shape[1] != q.shape[1]
     if q.device.type not in COMPILED_DEVICES or q.dtype == torch.float64:  # the eager reference (docstring)
         options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}

@@ -240,6 +240,19 @@ def test_mean_field_with_flex_equals_naive(topology, form, monkeypatch):
     assert_all_close(results["flex"], results["naive"], atol=1e-9, rtol=1e-9)
 
 
+def test_head_dimensions_padded_to_a_power_of_two_where_torch_wants_one(monkeypatch):
+    """Releases whose flex_attention accepts only powers of two (r + 1 = 4 here -> 16, and 17
+    -> 32): the zero padding leaves messages, lse and gradients as the naive kernel's."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_supported_head_dim", lambda width: width & (width - 1) == 0, raising=False)
+    assert [flex_kernel._head_dim(w) for w in (3, 16, 17, 64, 65)] == [16, 16, 32, 64, 128]
+    structure, projections = batch("full | root()", 1, n=9)
+    projections = [torch.cat([p] * 6, -1) for p in projections]  # r = 18: q, k of the reverse 19 -> 32
+    naive = outputs_and_gradients(head_kernels.naive, projections, 0.3, structure)
+    assert_all_close(outputs_and_gradients(flex, projections, 0.3, structure), naive, 1e-10, 1e-10)
+
+
 def test_flex_refuses_training_on_the_cpu_and_runs_without_gradients():
     torch.manual_seed(0)
     crf = graphs.CRF(vocab_size=9, labels=4, channels=2, rank=3, topology="causal").double()
