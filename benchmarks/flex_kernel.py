@@ -155,7 +155,7 @@ def mask_build_times(lengths=(2048, 4096), batch: int = 8) -> list[dict]:
     """Seconds to build the flex kernel's block masks for a new batch of a full-topology PT
     (K = 8 groups, C = 8 channels) through ``MeanField.structure``: the first batch of a
     length (the topology's block table built and cached) and a later one (only the batch's
-    own step), each the best of 3."""
+    own step), each the best of 3, on one thread."""
     from inference import MeanField, flex_masks
 
     rows = []
@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--masks", action="store_true", help="only the block masks' build time (CPU)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if args.masks else 2)
     if args.masks:
         mask_build_times()
     elif args.peak:
