@@ -134,11 +134,18 @@ def reference_layer_step(sizes: Sizes, n: int, device: torch.device):
     return run
 
 
-def pt_against_layer(device: torch.device, sizes: Sizes, peak_tflops: float) -> list[dict]:
+def past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
+def pt_against_layer(device: torch.device, sizes: Sizes, peak_tflops: float, deadline=None) -> list[dict]:
     rows = []
     for n in sizes.lengths:
         reference = timed(reference_layer_step(sizes, n, device), device, sizes)
         for form in ("grouped", "shared"):
+            if past(deadline):
+                rows.append({"n": n, "form": form, "not_run": "past the time budget"})
+                continue
             engine = pt_engine(sizes, "full", form, device)
             seconds = timed(pt_step(engine, n, sizes, device), device, sizes)
             groups = 1 if form == "shared" else engine.crf.num_groups
@@ -149,23 +156,28 @@ def pt_against_layer(device: torch.device, sizes: Sizes, peak_tflops: float) -> 
     return rows
 
 
-def topology_ratios(device: torch.device, sizes: Sizes) -> dict:
+def topology_ratios(device: torch.device, sizes: Sizes, deadline=None) -> dict:
     """PT forward + backward on causal, window and segments against full, at one length."""
     n, one = sizes.topology_length, replace(sizes, batch=1)
     topologies = {"full": "full", "causal": "causal", "window": f"window({sizes.window})",
                   "segments": f"segments({sizes.segment})"}  # fmt: skip
-    seconds = {name: timed(pt_step(pt_engine(one, text, "grouped", device), n, one, device), device, one)
-               for name, text in topologies.items()}  # fmt: skip
-    return {"n": n, "seconds": seconds, **{name: seconds[name] / seconds["full"] for name in topologies}}
+    seconds = {}
+    for name, text in topologies.items():
+        if not past(deadline):
+            seconds[name] = timed(pt_step(pt_engine(one, text, "grouped", device), n, one, device), device, one)
+    ratios = {name: seconds[name] / seconds["full"] for name in seconds if "full" in seconds}
+    return {"n": n, "seconds": seconds, **ratios}
 
 
-def memory_growth(device: torch.device, sizes: Sizes) -> dict:
+def memory_growth(device: torch.device, sizes: Sizes, deadline=None) -> dict:
     """Peak CUDA memory of one PT forward + backward (B = 1, causal) from the shortest to the
     longest length, and the largest deviation from the straight line through the ends."""
     if device.type != "cuda":
         return {"note": "peak memory is read on CUDA only"}
     one, peaks = replace(sizes, batch=1), {}
     for n in sizes.memory_lengths:
+        if past(deadline):
+            return {"peak_bytes": peaks, "not_run": f"n >= {n}: past the time budget"}
         engine = pt_engine(one, "causal", "grouped", device)
         step = pt_step(engine, n, one, device)
         step()  # compiled and cached
