@@ -24,7 +24,7 @@ import inference
 
 @dataclass(frozen=True)
 class Sizes:
-    """d, C, r, B, T and the lengths of each stage (issue's reference sizes when full)."""
+    """d, C, r, B, T and the lengths of each stage (the GPU targets' reference sizes when full)."""
 
     labels: int = 256
     channels: int = 8

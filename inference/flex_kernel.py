@@ -101,8 +101,8 @@ def _attention(q, k, v, block_mask, kind: tuple = ()):
     heads: query head h reads key/value head h // (H_q / H_kv). ``kind``: what the mask_mod's
     code and constants are (the topology's kind), part of the compiled configuration."""
     width = v.shape[-1]
-    pad = lambda t, width: F.pad(t, (0, width - t.shape[-1]))  # noqa: E731  (zeros: dot products unchanged)
-    q, k, v = pad(q, _head_dim(q.shape[-1])), pad(k, _head_dim(k.shape[-1])), pad(v, _head_dim(v.shape[-1]))
+    pad = lambda t: F.pad(t, (0, _head_dim(t.shape[-1]) - t.shape[-1]))  # noqa: E731  (zeros: same dot products)
+    q, k, v = pad(q), pad(k), pad(v)
     gqa = k.shape[1] != q.shape[1]
     if q.device.type not in COMPILED_DEVICES or q.dtype == torch.float64:  # the eager reference (docstring)
         options = {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
