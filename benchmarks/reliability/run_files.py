@@ -36,6 +36,10 @@ def toml_value(value) -> str:
         )
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, dict):  # an inline table (a config's message weights): JSON's braces are not TOML
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(value)
 
 
