@@ -94,3 +94,17 @@ def test_exact_log_partition_from_the_call_has_the_gradient_of_the_method():
     torch.testing.assert_close(call_grad, method_grad, rtol=1e-12, atol=1e-12)
     with torch.no_grad():  # no graph asked for: none kept
         assert not inference.Exact(crf)(tokens).log_partition.requires_grad
+
+
+@pytest.mark.parametrize("engine", ["Exact", "MeanField"])
+@pytest.mark.parametrize("crf_dtype,input_dtype", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
+def test_embeddings_of_another_dtype_give_the_crfs_dtype(engine, crf_dtype, input_dtype):
+    """Embeddings are read in the CRF's dtype: the Posterior keeps it, and the answer is the
+    one for the embeddings cast to it."""
+    torch.manual_seed(0)
+    crf = graphs.CRF(embedding_size=3, labels=2, channels=1, rank=2).to(crf_dtype)
+    x = torch.randn(2, 3, 3, dtype=input_dtype)
+    run = ENGINES[engine](crf)
+    post = run(embeddings=x)
+    assert post.z.dtype == crf_dtype
+    torch.testing.assert_close(post.z, run(embeddings=x.to(crf_dtype)).z, rtol=0, atol=0)
