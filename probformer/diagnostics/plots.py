@@ -49,7 +49,7 @@ def plot_report(data, directory) -> list[str]:
         if not any(variable in stats for variable in needs):
             continue
         panels = 3 if name == "diversity" else 2 if name == "ess" and "query_ess" in stats else 1
-        figure, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 3.8), squeeze=False)
+        figure, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.6), squeeze=False)
         draw[name](stats, list(axes[0]), depth, width)
         for axis in axes[0]:
             axis.grid(alpha=0.3)
@@ -58,7 +58,8 @@ def plot_report(data, directory) -> list[str]:
             axis.set_xlabel(_depth_label(depth))
             handles, _ = axis.get_legend_handles_labels()
             if 0 < len(handles) <= MAX_LEGEND_LINES + 2:
-                axis.legend(fontsize=7)
+                # under the axes, never over the curves and threshold lines it names
+                axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
         figure.tight_layout()
         path = directory / f"{name}.png"
         figure.savefig(path, dpi=100)

@@ -156,8 +156,12 @@ def describe(data) -> str:
         cells = "  ".join(f"{means[name][index]:{width}.3f}" for name, _, width in columns)
         lines.append(f"{index:9d}  {cells}")
     if "elbo" in stats:
+        schedule = ""
+        if stats.attrs.get("schedule"):  # what the curve should do (plots.elbo_title)
+            ascent = "coordinate ascent: never falls" if stats.attrs.get("coordinate_ascent") else "need not rise"
+            schedule = f"; {stats.attrs['schedule']} schedule, {ascent}"
         elbo = _nanmean(stats["elbo"].values.reshape(-1, stats.sizes["iteration"]))
-        lines.append("ELBO per iteration (nats per sentence): " + " ".join(f"{v:.2f}" for v in elbo))
+        lines.append(f"ELBO per iteration (nats per sentence{schedule}): " + " ".join(f"{v:.2f}" for v in elbo))
     return "\n".join(lines)
 
 
