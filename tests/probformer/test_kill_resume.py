@@ -5,7 +5,6 @@ weights equal byte for byte and a metrics file equal line for line to an uninter
 run's (wall-clock fields aside: ``elapsed`` and ``tokens_per_second``)."""
 
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -18,6 +17,7 @@ import pytest
 from probformer.training import checkpoint, crash_points
 from probformer.training.run_log import WALL_CLOCK_KEYS
 from probformer.training.trainer import latest_checkpoint, train
+from tests.processes import fork_context
 
 # six steps, a checkpoint after every one, a metrics line every second step (so a
 # checkpoint at an odd step holds half a loss window), a validation at step 3
@@ -114,9 +114,9 @@ def train_until_killed(point: str, config, run) -> None:
 def test_sigkill_at_a_named_point_resumes_to_the_uninterrupted_run(tmp_path, reference, point):
     config, expected = reference
     run = tmp_path / "run"
-    # a forked child (the modules are imported already: a fraction of a second) kills
+    # a child forked from a JAX-free server with the trainer imported (tests/processes.py) kills
     # itself at the point; the CLI path is the random-time test's
-    child = multiprocessing.get_context("fork").Process(target=train_until_killed, args=(point, config, run))
+    child = fork_context().Process(target=train_until_killed, args=(point, config, run))
     child.start()
     child.join(timeout=120)
     assert child.exitcode == -signal.SIGKILL, f"the run was not killed at {point} (exit code {child.exitcode})"

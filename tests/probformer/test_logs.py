@@ -9,7 +9,6 @@ import csv
 import io
 import json
 import math
-import multiprocessing
 import os
 import signal
 
@@ -20,6 +19,7 @@ import torch
 from probformer.training import crash_points, run_config
 from probformer.training.run_log import WALL_CLOCK_KEYS, Progress
 from probformer.training.trainer import Trainer, train
+from tests.processes import fork_context
 
 TINY = """
 [model]
@@ -216,7 +216,7 @@ def killed_at(point, config, run):
 def test_a_killed_and_resumed_run_writes_the_same_csv(tmp_path):
     config = write_config(tmp_path, kind="particle_transformer", model=PARTICLE, clip=1.0)
     train(config, tmp_path / "full", progress=False)
-    child = multiprocessing.get_context("fork").Process(
+    child = fork_context().Process(
         target=killed_at, args=("metrics:partial@4", config, tmp_path / "run")
     )
     child.start()
