@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from graphs.device_checks import refuse_non_finite, refuse_unless
+
 __all__ = [
     "RESAMPLERS",
     "RELAXATIONS",
@@ -134,8 +136,26 @@ def systematic_ancestors(
     return SystematicResampler(B, N, weights.device, weights.dtype)(weights, total, resampled, generator, out)
 
 
+def _check_weights(weights) -> None:
+    """Weights ``[B, N]``: a floating tensor, finite, non-negative, every row with mass (the
+    value checks device-side: no host read unless one fails)."""
+    if not isinstance(weights, torch.Tensor) or not weights.dtype.is_floating_point:
+        found = getattr(weights, "dtype", type(weights).__name__)
+        raise TypeError(f"weights must be a floating torch.Tensor [B, N], got {found}")
+    if weights.dim() != 2 or 0 in weights.shape:
+        raise ValueError(f"weights must have shape [B, N], non-empty, got {tuple(weights.shape)}")
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return
+    refuse_non_finite("weights", weights)
+    refuse_unless(
+        (weights >= 0).all() & (weights.sum(-1) > 0).all(),
+        "weights must be non-negative with a positive sum in every row",
+    )
+
+
 def resample_indices(weights: torch.Tensor, method: str, generator: torch.Generator | None = None) -> torch.Tensor:
     """Ancestor indices ``[B, N]`` for normalised weights ``[B, N]``."""
+    _check_weights(weights)
     B, N = weights.shape
     device, dtype = weights.device, weights.dtype
     if method == "systematic":
