@@ -115,6 +115,11 @@ def _load_exported(path: Path) -> CheckedProgram:
     try:
         program = torch.export.load(io.BytesIO(fresh))
         graph = program.module()
+    except ImportError as error:  # a module torch.export needs (networkx): the real cause, by name
+        raise ImportError(
+            f"{path}: loading a .pt2 needs the module {error.name or str(error)!r}, which cannot be imported: {error}",
+            name=error.name,
+        ) from error
     except Exception as error:  # torch raises many types on programs it cannot rebuild
         raise ValueError(f"{path}: torch.export cannot rebuild the program: {error}") from None
     return CheckedProgram(graph.requires_grad_(False), contents.meta["config"], path, contents.meta.get("max_length"))

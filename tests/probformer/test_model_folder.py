@@ -235,3 +235,16 @@ def test_an_import_failure_while_building_is_an_import_error_naming_the_module(t
     assert cli.main(["export", "ck", "--out", "x"]) == 2
     err = capsys.readouterr().err
     assert "needs the module 'networkx'" in err and len(err.splitlines()) == 1
+
+
+def test_an_import_failure_while_reading_a_pt2_names_the_module(tmp_path, monkeypatch):
+    model, _ = small_model_and_vocabulary()
+    path = pf.export(model, tmp_path / "model.pt2", format="exported")
+
+    def load(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'networkx'", name="networkx")
+
+    monkeypatch.setattr(torch.export, "load", load)
+    with pytest.raises(ImportError, match="needs the module 'networkx'") as error:
+        pf.load(path)
+    assert error.value.name == "networkx"
