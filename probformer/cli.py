@@ -130,6 +130,11 @@ def build_parser() -> _Parser:
     diagnose.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     _data_options(diagnose, 16, "diagnose the first N sentences of the split", "ptb")
     diagnose.add_argument("--out", required=True, help="folder for report.nc and the PNG figures")
+    diagnose.add_argument(
+        "--inference-gap",
+        action="store_true",
+        help="PT only: add log Z by tempered SMC, the KL gap and PSIS k-hat per sentence (docs/diagnostics.md)",
+    )
 
     export = _verb(commands, "export", "write a model for deployment (torch folder, torch.export .pt2 or ONNX)")
     export.add_argument("model", metavar="MODEL", help=MODEL_HELP)
@@ -311,6 +316,13 @@ def run_diagnose(args) -> int:
     report = diagnostics.report(model, tokens, mask)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.inference_gap:  # the mean field against the CRF's posterior (probformer.diagnostics.inference_gap)
+        from probformer.diagnostics.inference_gap import add_to_report, plot_inference_gap
+
+        gap = diagnostics.inference_gap(model, tokens, mask)
+        report = add_to_report(report, gap)
+        print(gap.table())
+        print(f"wrote {plot_inference_gap(gap, out_dir)}")
     report.to_netcdf(str(out_dir / "report.nc"))
     figures = diagnostics.plot_report(report, out_dir)
     cut = f"; {windowed} longer than max_length={limit} cut into windows" if windowed else ""
