@@ -84,12 +84,25 @@ def work(width: int, base: int) -> float:
 
 
 def progress_bar(total: float, description: str):
-    """A tqdm bar with an estimate of the time left, on stderr when it is a terminal
-    (disabled otherwise: a log file gets no carriage returns)."""
-    from tqdm.auto import tqdm
+    """A tqdm bar with an estimate of the time left on stderr: redrawn in place on a
+    terminal; elsewhere (a log file, CI) one plain line at most every minute."""
+    import sys
+
+    from tqdm import tqdm
 
     layout = "{desc}: {percentage:3.0f}%|{bar}| elapsed {elapsed}, about {remaining} left"
-    return tqdm(total=total, desc=description, disable=None, bar_format=layout, dynamic_ncols=True)
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc=description, bar_format=layout, dynamic_ncols=True)
+
+    class Lines(tqdm):
+        def display(self, msg=None, pos=None):  # a whole line each time: no carriage returns in a log
+            print(msg or str(self), file=sys.stderr, flush=True)
+            return True
+
+        def clear(self, nolock=False):  # nothing drawn in place, nothing to clear
+            pass
+
+    return Lines(total=total, desc=description, bar_format=layout, ncols=80, mininterval=60, ascii=True)
 
 
 def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, batches=None, progress=None) -> dict:
