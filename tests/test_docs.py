@@ -134,8 +134,9 @@ def cli_commands(block: Block) -> list[list[str]]:
     comments dropped; ``[...]`` optional parts and ``<...>`` placeholders left out."""
     commands = []
     lines = block.text.split("\n")
-    if any(line.startswith("$ ") for line in lines):  # a transcript: the prompted lines are the commands
-        lines = [line for line in lines if line.startswith("$ ")]
+    if any(line.startswith("$ ") for line in lines):  # a transcript: the prompted lines are the commands,
+        # and the commands it prints for the reader to run next (the demo's)
+        lines = [line for line in lines if line.startswith("$ ") or line.strip().startswith(".venv/bin/probformer ")]
     for line in lines:
         line = line.removeprefix("$ ").strip()
         line = re.sub(r"\s+#.*$", "", line)

@@ -72,3 +72,15 @@ def test_mup_verbs_check_their_arguments_first(tmp_path, monkeypatch, capsys, ar
 def test_coord_check_writes_outside_the_repository_by_default():
     args = cli.build_parser().parse_args(["mup", "coord-check"])
     assert args.out == "runs/coord-check"  # runs/ is ignored by git; docs/mup only when asked
+
+
+def test_the_demo_prints_a_command_that_runs_as_printed(monkeypatch):
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    command = demo.cli_command()  # what the demo's "next" lines start with
+    result = subprocess.run([*shlex.split(command), "--version"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("probformer ")
