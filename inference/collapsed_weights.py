@@ -22,7 +22,7 @@ import torch
 
 from inference.tempered_target import TemperedTarget
 
-__all__ = ["label_terms", "head_pass", "global_pass"]
+__all__ = ["label_terms", "head_pass", "global_pass", "terms_at", "current_terms"]
 
 
 def label_terms(target: TemperedTarget, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,3 +125,25 @@ def global_pass(
         slope = own_slope if own_slope is not None else slope
         drawn = torch.where(keep, own_draw, 0) if own_draw is not None else drawn
     return normalisers, slope, drawn
+
+
+def terms_at(target: TemperedTarget, z, beta, generator=None):
+    """``(head terms, global terms, h, g)`` of labels ``z`` at ``beta``, the heads and
+    globals drawn there."""
+    heads, _, h = head_pass(target, z, [beta], sample=0, generator=generator)
+    glob, _, g = global_pass(target, z, [beta], sample=0, generator=generator)
+    return heads[0], glob[0], h, g
+
+
+def current_terms(target: TemperedTarget, z, beta, following=None, generator=None):
+    """``(terms, pending, slope)``: the head and global terms of labels ``z`` at ``beta``;
+    with the schedule's ``following`` beta, ``pending`` = ``terms_at`` there (one pass, slope
+    None); without it (an adaptive schedule), the beta-derivative of those terms (pending None)."""
+    betas = [beta] if following is None else [beta, following]
+    sample, derivative = (None, 0) if following is None else (1, None)
+    heads, slope_h, h = head_pass(target, z, betas, sample, derivative, generator)
+    glob, slope_g, g = global_pass(target, z, betas, sample, derivative, generator)
+    current = heads[0] + glob[0]
+    if following is None:
+        return current, None, slope_h + slope_g
+    return current, (heads[1], glob[1], h, g), None

@@ -234,7 +234,7 @@ class TemperedSMC:
             else:
                 new_beta = schedule[step]
             if pending is None:  # the next beta's head terms and draws (a fixed schedule has them)
-                pending = self._next_terms(target, z, None, new_beta, generator)
+                pending = collapsed_weights.terms_at(target, z, new_beta, generator)
             heads_next, glob_next, h, g = pending
             log_next = torch.lerp(log_q, potential, new_beta[:, None]) + heads_next + glob_next
             weighted = log_w + (log_next - log_current)
@@ -257,32 +257,14 @@ class TemperedSMC:
             log_q, potential = collapsed_weights.label_terms(target, z)
             following = None if adaptive or step == steps else schedule[step]
             if adaptive or following is not None:  # this beta's terms at the moved labels (and the next's)
-                current, pending, slope = self._current_terms(target, z, beta, following, log_q, potential, generator)
+                current, pending, slope = collapsed_weights.current_terms(target, z, beta, following, generator)
+                slope = None if slope is None else potential - log_q + slope
                 log_current = torch.lerp(log_q, potential, beta[:, None]) + current
             if adaptive and step % self.check_every == 0 and bool((beta >= 1).all()):  # the one device read
                 break
         if not torch.isfinite(log_z).all() or not torch.isfinite(log_w).all():
             raise ValueError("non-finite importance weights during tempering: the potentials or the proposal overflow")
         return _Run(z, h, g, log_z, log_w, initial_log_ratio, torch.stack(betas), torch.stack(esses), step)
-
-    def _next_terms(self, target, z, _, beta, generator):
-        """``(head terms, global terms, h, g)`` at ``beta``, the heads and globals drawn there."""
-        heads, _, h = collapsed_weights.head_pass(target, z, [beta], sample=0, generator=generator)
-        glob, _, g = collapsed_weights.global_pass(target, z, [beta], sample=0, generator=generator)
-        return heads[0], glob[0], h, g
-
-    def _current_terms(self, target, z, beta, following, log_q, potential, generator):
-        """The head and global terms at ``beta`` of labels ``z``; with the schedule's
-        ``following`` beta, that one's terms and draws too (one pass); without it (adaptive), the
-        beta-derivative of log p_beta(z) for the next increment."""
-        betas = [beta] if following is None else [beta, following]
-        sample, derivative = (None, 0) if following is None else (1, None)
-        heads, slope_h, h = collapsed_weights.head_pass(target, z, betas, sample, derivative, generator)
-        glob, slope_g, g = collapsed_weights.global_pass(target, z, betas, sample, derivative, generator)
-        current = heads[0] + glob[0]
-        if following is None:
-            return current, None, potential - log_q + slope_h + slope_g
-        return current, (heads[1], glob[1], h, g), None
 
     def _increment(self, log_w, log_ratio, remaining, last: bool) -> torch.Tensor:
         """``[S]`` the largest delta in [0, remaining] that keeps the conditional ESS >=
