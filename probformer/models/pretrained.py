@@ -39,16 +39,8 @@ from torch import nn
 from probformer.models import registry
 from probformer.models.blocks import non_finite
 
-__all__ = [
-    "PretrainedMixin",
-    "save_pretrained",
-    "from_pretrained",
-    "load_files",
-    "folder_files",
-    "model_folder",
-    "TORCH_FORMAT",
-    "FOLDER_FORMATS",
-]
+__all__ = ["PretrainedMixin", "save_pretrained", "from_pretrained", "load_files", "folder_files", "model_folder"]
+__all__ += ["write_folder", "TORCH_FORMAT", "FOLDER_FORMATS"]
 
 TORCH_FORMAT = "probformer-torch/2"
 # the record a model folder may carry: the torch export's, and the one training runs wrote before
