@@ -675,7 +675,8 @@ def loaded(artefacts):
 @pytest.mark.parametrize("case", sorted(INPUT_CASES))
 def test_wrappers_refuse_bad_inputs(loaded, fmt, case):
     tokens, mask = INPUT_CASES[case]
-    with pytest.raises(ValueError):
+    wrong_type = case in ("float tokens", "bool tokens", "int mask", "numpy")  # TypeError; the rest ValueError
+    with pytest.raises(TypeError if wrong_type else ValueError):
         loaded[fmt](tokens, mask)
 
 
@@ -687,12 +688,16 @@ def test_wrappers_refuse_bad_inputs(loaded, fmt, case):
     masked=st.booleans(),
 )
 def test_wrappers_answer_any_input_with_logits_or_value_error(loaded, model, dtype, shape, low, masked):
-    """Oracle: the source model's logits where the input is valid, else ValueError."""
+    """Oracle: the source model's logits where the input is valid, else TypeError (a float
+    or bool dtype) or ValueError."""
     tokens = torch.full(shape, low).to(dtype)
     mask = (torch.rand(shape) > 0.3) if masked else None
     for fmt in ("pt2", "onnx"):
         try:
             found = loaded[fmt](tokens, mask)
+        except TypeError:
+            assert dtype in (torch.float32, torch.bool)
+            continue
         except ValueError:
             continue
         with torch.no_grad():
