@@ -99,6 +99,21 @@ def test_every_model_kind_answers_a_sentence_the_same_alone_padded_or_batched(mo
             assert_same(value, single.variables[name][1][0], f"{kind} {name}")
 
 
+def test_k_hat_of_a_long_padded_sentence_is_its_own(model):
+    """The issue's case through every kind: 22 real tokens padded to 26 next to a 26-token
+    sentence: finite k-hat (>= 21 draws), the same as the sentence alone."""
+    kind, net = model
+    tokens = torch.arange(52).view(2, 26) % VOCAB
+    mask = torch.ones(2, 26, dtype=torch.bool)
+    mask[1, 22:] = False
+    batched, single = measure(net, tokens, mask), measure(net, *alone(tokens, mask, 1))
+    for name in ("received_pareto_k", "smc_pareto_k"):
+        if name in single.variables:
+            value = single.variables[name][1][0]
+            assert np.isfinite(value).any(), (kind, name)
+            assert_same(batched.variables[name][1][1], value, f"{kind} {name}")
+
+
 @given(batches(max_batch=2))
 @settings(max_examples=4)
 def test_the_report_and_the_trainers_probe_are_padding_invariant(model, batch):
