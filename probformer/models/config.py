@@ -69,6 +69,7 @@ LIMITS: dict[str, int] = {
     "warmup_steps": 2**40,
     "eval_every": 2**40,
     "eval_sentences": 2**31,
+    "patience": 2**40,
     "checkpoint_every": 2**40,
     "log_every": 2**40,
     "diagnostics_every": 2**40,
