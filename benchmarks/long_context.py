@@ -106,10 +106,10 @@ def _status_kib(field: str) -> int:
 
 
 def measure_peak(model: str, n: int) -> float:
-    """In this process: MiB of peak RSS during one forward + backward above the RSS after
-    setup and one warm-up step (the kernel's peak counter, VmHWM, is reset after them)."""
+    """In this process: MiB of peak RSS during the first forward + backward above the RSS
+    after setup (the kernel's peak counter, VmHWM, is reset after setup). No warm-up step:
+    memory it freed would stay in the process and hide the step's own peak."""
     step = build(model, n)
-    step()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     base = _status_kib("VmRSS")
@@ -142,12 +142,12 @@ def slope(lengths, values) -> float:
 QUADRATIC = ("pt:full", "pt:causal")
 
 
-def table(lengths, models, rounds: int, memory: bool, quadratic_up_to: int) -> dict:
+def table(lengths, models, rounds: int, memory: bool, quadratic_up_to: int, timing: bool = True) -> dict:
     """Every model at every length (the quadratic ones up to ``quadratic_up_to``: NaN past it)."""
     results = {m: {"seconds": [], "peak_mib": []} for m in models}
     for n in lengths:
         here = [m for m in models if m not in QUADRATIC or n <= quadratic_up_to]
-        best = time_interleaved({m: build(m, n) for m in here}, rounds)
+        best = time_interleaved({m: build(m, n) for m in here}, rounds) if timing else {}
         for m in models:
             results[m]["seconds"].append(best.get(m, math.nan))
             results[m]["peak_mib"].append(peak_memory(m, n) if memory and m in here else math.nan)
@@ -174,6 +174,7 @@ def main():
     parser.add_argument("--models", default=",".join(MODELS), help="--table: the models")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true", help="--table: time only")
+    parser.add_argument("--memory-only", action="store_true", help="--table: peak memory only")
     parser.add_argument("--quadratic-up-to", type=int, default=8192, help="--table: PT full and causal up to this n")
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args()
@@ -182,7 +183,8 @@ def main():
         result = topologies(args.n, args.rounds)
     elif args.table:
         lengths = [int(x) for x in args.lengths.split(",")]
-        result = table(lengths, args.models.split(","), args.rounds, not args.no_memory, args.quadratic_up_to)
+        models = args.models.split(",")
+        result = table(lengths, models, args.rounds, not args.no_memory, args.quadratic_up_to, not args.memory_only)
     else:
         parser.error("give --topologies or --table")
     if args.out:
