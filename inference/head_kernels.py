@@ -33,8 +33,10 @@ log-normalisers merge by log-sum-exp. The reverse message of a far part is an
 attention with queries and keys swapped whose key bias is ``-lse`` of the forward
 rows, un-normalised by its own ``lse`` (so no column sum is ever materialised). The far
 attentions run through the CPU flash op in query blocks that skip fully masked keys
-(``inference.far_attention``); everything stays token-major (``[B, N, C, r]`` per group,
-views of the projections), and the messages come back as one tensor (``stacked``).
+(``inference.far_attention``): each block reads only the keys its rows can reach, bounded by
+the topology's data (a band's reach, a segment length) where it has them (``_far_spans``).
+Everything stays token-major (``[B, N, C, r]`` per group, views of the projections), and
+the messages come back as one tensor (``stacked``).
 
 Rows with no legal head (padding, ``causal`` at i = 0) get a zero row of P and
 ``lse = 0``: a "null head" of logit 0 is the only choice there, which keeps softmax
