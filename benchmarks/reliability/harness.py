@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -178,8 +179,6 @@ def _worker(cases: list[Case], connection) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # the library's prints and warnings stay out of the report
     os.dup2(devnull, 2)
-    import warnings
-
     warnings.simplefilter("ignore")
     while True:
         index = connection.recv()
@@ -190,10 +189,16 @@ def _worker(cases: list[Case], connection) -> None:
 
 class Worker:
     def __init__(self, cases: list[Case]):
+        # fork, not spawn: the cases hold closures a spawned worker could not unpickle. A
+        # parent that has run JAX (the test suite's Gibbs oracle) makes JAX warn that a forked
+        # child may deadlock; these children never call JAX, and a worker that hangs anyway is
+        # killed at its case's deadline and reported as a hang, so the warning is silenced here.
         context = multiprocessing.get_context("fork")
         self.connection, child = context.Pipe()
         self.process = context.Process(target=_worker, args=(cases, child), daemon=True)
-        self.process.start()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            self.process.start()
         child.close()
         self.index, self.deadline = None, 0.0
 
