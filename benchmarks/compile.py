@@ -1,4 +1,4 @@
-"""Eager vs torch.compile forward time of every model kind on CPU (issue 19).
+"""Eager vs torch.compile forward time of every model kind on CPU.
 
     .venv/bin/python -m benchmarks.compile
 

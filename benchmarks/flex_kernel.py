@@ -1,4 +1,4 @@
-"""The flex_attention head kernel against the fused and naive kernels (issue 19).
+"""The flex_attention head kernel against the fused and naive kernels.
 
 One head step, forward + backward: label marginals ``q_z [B, N, d]`` projected by the
 CRF's tables (``[K, C, d, r]``), the head messages of a kernel (async mean field: value =

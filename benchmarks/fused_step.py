@@ -1,4 +1,4 @@
-"""One fused mean-field training step, timed (issue 19): forward + backward of T = 4 fused
+"""One fused mean-field training step, timed: forward + backward of T = 4 fused
 iterations, d = 128, C = 4, r = 32, B = 4, n = 256, 1 thread, best of 5, in milliseconds.
 
     .venv/bin/python benchmarks/fused_step.py

@@ -1,4 +1,4 @@
-"""Kill a tiny training run with SIGKILL at random moments and resume it (issue 17).
+"""Kill a tiny training run with SIGKILL at random moments and resume it.
 
     .venv/bin/python benchmarks/kill_resume.py [--trials 100] [--seed 0] [--workers 2] [--out DIR]
 

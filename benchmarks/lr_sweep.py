@@ -1,4 +1,4 @@
-"""A tuned PT vs BERT vs UT comparison on PTB MLM (issue 22): a learning-rate sweep per
+"""A tuned PT vs BERT vs UT comparison on PTB MLM: a learning-rate sweep per
 model on a log grid (seed 0), then more seeds at each model's best learning rate.
 
     .venv/bin/python benchmarks/lr_sweep.py --sizes small          # run / resume the sweep

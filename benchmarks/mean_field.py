@@ -15,7 +15,7 @@ Measures, on this machine, with torch.set_num_threads(2):
   5. eager vs torch.compile.
 Prints markdown tables and writes the raw numbers as JSON.
 
-``--floor`` (issue 19, item 1) times only the reference configuration (d = 256, C = 8,
+``--floor`` times only the reference configuration (d = 256, C = 8,
 r = 64, n = 512, B = 8, T = 4, gamma = 3, full topology, forward + backward): the fused
 PT iteration and the standard layer x4 interleaved in one process (min over rounds), with
 the fp32 matmul peak measured in the same run, before and after them; the fraction of the
@@ -262,7 +262,7 @@ def floor(rounds: int, d: int = 256, C: int = 8, r: int = 64, n: int = 512, B: i
 
 def causal_vs_full(rounds: int, n: int = 2048, B: int = 1, d: int = 256, C: int = 8, r: int = 64) -> dict:
     """Fused forward+backward (T = 4) on the causal topology against the full one, in this
-    process, interleaved, min over rounds (issue 19: causal <= 0.6x full at n = 2048)."""
+    process, interleaved, min over rounds (causal <= 0.6x full at n = 2048)."""
     models = {topology: build(d, C, r, n, B, "fused", topology=topology) for topology in ("full", "causal")}
     best = {topology: math.inf for topology in models}
     for engine, tokens in models.values():  # warm-up

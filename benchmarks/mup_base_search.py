@@ -1,4 +1,4 @@
-"""Issue 22: a finer search of the μP base point before the neighbourhood check.
+"""A finer search of the μP base point before the neighbourhood check.
 
 The neighbourhood check (``python -m probformer.mup neighbourhood``) ranked the base point of
 configs/mup-base.toml 5th of 60: its learning rate came from a ×2 grid, and its information

@@ -1,5 +1,5 @@
 """Particle Transformer on PTB MLM: literal resampling ("copy") vs residual mixing ("mix")
-vs no resampling ("none"), a few seeds each, at a fixed short step budget (issue 22).
+vs no resampling ("none"), a few seeds each, at a fixed short step budget.
 
     .venv/bin/python benchmarks/particle_resampling.py --steps 300 --seeds 0,1,2
 

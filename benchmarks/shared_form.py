@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/shared_form.py [--lengths 512,128] [--rounds 3] [--kinds ...] [--out FILE]
 
-Workload (issue 19's reference config): forward + backward through T = 4 unrolled async
+Workload: forward + backward through T = 4 unrolled async
 iterations of ``inference.MeanField(..., weights="reference")`` at d = 256, C = 8, r = 64,
 B = 8, full topology, gamma = 3 (K = 8 distance groups), for
 

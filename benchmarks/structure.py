@@ -1,4 +1,4 @@
-"""Issue 22: structure that means something. Two studies on UD English-EWT, every run one
+"""Structure that means something. Two studies on UD English-EWT, every run one
 epoch of EWT train (392 steps of 32 sentences), seed 0, configs in configs/structure/:
 
 - UAS: do locality priors (``window(k) | root()`` topologies, a learned adaptive span)

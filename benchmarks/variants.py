@@ -1,4 +1,4 @@
-"""The transformer variants of issue 10 as PT engine options, at equal budget on PTB MLM
+"""The transformer variants as PT engine options, at equal budget on PTB MLM
 (configs/variants/: 8,000 PTB sentences, one epoch, 250 steps of 32; 500 validation
 sentences), plus the pre-LN vs post-LN warm-up sensitivity of the BERT-style baseline.
 

@@ -1,4 +1,4 @@
-"""Value checks without a host read (issue 19): a forward may refuse bad values (token ids
+"""Value checks without a host read: a forward may refuse bad values (token ids
 out of range, a NaN potential) without waiting for the device.
 
 ``torch._assert_async`` checks a condition on the tensor's own device. On the CPU it fails at

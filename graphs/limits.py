@@ -1,4 +1,4 @@
-"""The most each size of a factor graph may be (issue 17): absurd sizes are refused with
+"""The most each size of a factor graph may be: absurd sizes are refused with
 an error naming the size and its limit before anything is allocated.
 
 ``LIMITS`` is the one table for the CRF's sizes: ``graphs.CRF`` enforces it and

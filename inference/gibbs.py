@@ -33,7 +33,7 @@ from inference.posterior import Posterior
 
 __all__ = ["Gibbs", "GibbsResult"]
 
-# Limits (issue 17): JAX allocates every draw up front, so absurd counts are refused
+# Limits: JAX allocates every draw up front, so absurd counts are refused
 # before it tries (num_samples=10**12 asked for 8 TB).
 MAX_DRAWS = 10**7  # num_samples and num_warmup, each, per chain
 MAX_CHAINS = 2**10

@@ -71,7 +71,7 @@ __all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", 
 def _groups(x: torch.Tensor) -> list[torch.Tensor]:
     """``[B, N, K, C, r]`` -> its K groups, each ``[B, C, N, r]`` (views). One unbind per
     tensor: indexing ``x[:, :, k]`` at every use made the backward zero-fill a full-size
-    gradient per use (the largest single cost in issue 19's profile)."""
+    gradient per use (the largest single cost when profiled)."""
     return [group.transpose(1, 2) for group in x.unbind(2)]
 
 
@@ -280,7 +280,7 @@ def _split_groups(tensors) -> list[list[torch.Tensor]]:
     """Each ``[B, N, K, C, r]`` -> its K groups ``[B, N, C, r]`` (token-major views), with one
     ``unbind`` per distinct tensor (async mean field passes key as value, query as value_rev):
     its backward stacks the groups' gradients once, where indexing ``x[:, :, k]`` at every use
-    zero-filled a full-size gradient per use (issue 19's profile)."""
+    zero-filled a full-size gradient per use."""
     split = {}
     return [split.setdefault(id(t), list(t.unbind(2))) for t in tensors]
 

@@ -16,10 +16,9 @@ __all__ = ["resolved_kernel", "fused_compute_dtype", "heads", "log_normaliser"]
 # perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
 AUTO_FUSED_MIN_NODES = 129
 # The shared ternary form: one projection for every group makes the materialised kernel plain
-# GEMMs with no per-group masks; benchmarks/shared_form.py (2 threads, a quiet machine,
-# 2026-11-25) measured it 1.9x faster than the fused kernel at n = 128 and 1.7-1.8x at n = 512
-# (B = 8, d = 256, C = 8, r = 64), with [B, C, n, n] marginals of 64 MiB at n = 512. Past 512
-# nodes: the memory-linear fused kernel (not measured between 512 and 2048).
+# GEMMs with no per-group masks, faster than the fused kernel up to n = 512 (measured by
+# benchmarks/shared_form.py; figures in docs/benchmarks.md), with [B, C, n, n] marginals of
+# 64 MiB at n = 512 (B = 8, C = 8). Past 512 nodes: the memory-linear fused kernel.
 AUTO_FUSED_MIN_NODES_SHARED = 513
 # the fused kernel in float32 errs by about |score| 2**-23 relative (head_kernels.fused);
 # measured on random CRFs (benchmarks/reliability): <= 1e-4 after 3 iterations while the

@@ -7,7 +7,7 @@ away; a far attention: its weight times its output; the virtual nodes' products,
 ``assemble`` writes each part once into ``[B, N, S, C, r]`` (S slots: forward and reverse of
 every group), zeroing only the rows no part covers. With autograd ops the same sum made a
 product tensor per part, padded it to full length (another copy), then stacked the slots (a
-third), and each slice's backward zero-filled a full-size gradient (issue 19's profile).
+third), and each slice's backward zero-filled a full-size gradient.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ never materialised) and its log-normaliser, with the backward pass written out.
 
 Why written out: at n = 512 every fresh ``[B, C, N, N]`` tensor costs more in page faults
 than the arithmetic on it (blocks that large go back to the system when freed and are
-faulted in again on the next use: 28 ms to allocate and fill 67 MB against 5 ms to fill a
-reused buffer, one thread). Autograd through the plain operators made several such tensors
+faulted in again on the next use, several times the cost of filling a reused buffer;
+docs/benchmarks.md has the measurements). Autograd through the plain operators made several such tensors
 per iteration and the concatenated null column a strided copy of P; ``softmax_with_null``
 makes one, in its backward. (The shared ternary form goes further, one sentence at a time:
 ``inference.shared_heads``.)

@@ -36,7 +36,7 @@ class SystematicResampler:
     cumulative weight C_j exactly for i >= first_j = floor(N C_j / total + v), so ancestor_i =
     #{j : first_j <= i}: a histogram of first (one scatter) and a cumulative sum. O(N)
     per filter, where a binary search per position (``searchsorted``) is O(N log N) and,
-    on CPUs, some 100x slower at N = 1,000."""
+    on CPUs, far slower at N = 1,000 (docs/benchmarks.md)."""
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class SystematicResampler:
         self.row_sums = row_sums
         self.clamp = not row_sums or N * (N + 4) * eps >= 1
         self.counts = torch.empty(B, N + 1 + (not self.clamp), device=device, dtype=torch.int32)
-        # materialised: a scatter over an expanded source (stride 0) takes a ~1.5x slower path
+        # materialised: a scatter over an expanded source (stride 0) takes a slower path
         # on CPUs (and an expanded one, or positions written into ``out``, make torch.compile's
         # graph of a filter disagree with eager)
         self.ones = torch.ones(B, N, device=device, dtype=torch.int32)
@@ -89,7 +89,7 @@ class SystematicResampler:
         # a filter that does not resample gets steps 1 (cumulative j + 1, exact): first_j =
         # floor(j + 1 + v) = j + 1, the identity. Arithmetic on the finite weights, not a
         # torch.where over [B, N]: fewer and cheaper passes on CPUs (and not addcmul either:
-        # with [B, 1] operands it is ~2x slower than the two passes)
+        # with [B, 1] operands it is slower than the two passes)
         chosen = None if resampled is None else _column(resampled).to(dtype)
         if self.row_sums and total is not None:
             # totals in [1, N]: the scale N 2**shift / total is finite, one pass

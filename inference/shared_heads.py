@@ -13,7 +13,7 @@ of q, k and the additive bias, so no other ``[B, C, N, N]`` tensor is ever made.
 Why: plain operators made three ``[B, C, N, N]`` tensors per iteration (the scores, P's
 gradient, and the logits' gradient that autograd hands to the GEMM), each fresh from the
 system (67 MB at B = C = 8, n = 512: blocks that large are given back on free and faulted
-in again, ~28 ms each against ~5 ms for a block in cache), and every pass of the softmax
+in again, several times the cost of a block in cache), and every pass of the softmax
 and its backward read them from memory.
 
 The exponentials are powers of two (logits scaled by log2 e inside the GEMM, through its

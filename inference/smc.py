@@ -37,7 +37,7 @@ from inference.resamplers import (
 
 __all__ = ["SMC", "SMCResult", "RESAMPLERS", "RELAXATIONS", "resample_indices"]
 
-# Limits (issue 17): absurd sizes are refused before anything is allocated or looped over.
+# Limits: absurd sizes are refused before anything is allocated or looped over.
 MAX_PARTICLES = 2**24  # N: the ancestors [T, B, N] and a relaxation's [B, N, N] scale with it
 MAX_BATCH = 2**24  # B independent filters
 MAX_PARTICLES_PER_STEP = 2**31  # B * N particles of one step
@@ -295,9 +295,8 @@ class SMC:
             top = torch.amax(_value(joint), -1, keepdim=True, out=maxima_rows[t])
             relative = joint.sub_(top).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the
-            # ESS; taken as 2 ** (x log2 e): on CPUs exp2 runs 3-4x faster than exp (float32: 9 us
-            # against 38 us for 64,000 numbers), the multiplication costs 3 us, and the rounding of
-            # x log2 e moves a weight by at most |x| eps relative (x >= flush)
+            # ESS; taken as 2 ** (x log2 e): on CPUs exp2 runs several times faster than exp
+            # (docs/benchmarks.md), the multiplication is cheap, and the rounding of x log2 e moves a weight by at most |x| eps relative (x >= flush)
             if in_place:
                 unnormalised = torch.clamp_min(relative, flush, out=weights_buffer).mul_(LOG2_E).exp2_()
                 torch.threshold_(unnormalised, flushed, 0.0)

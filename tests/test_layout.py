@@ -1,4 +1,4 @@
-"""The architecture as a test (issue 21): imports run one way,
+"""The architecture as a test: imports run one way,
 
     cli -> training / deploy / diagnostics / mup tools -> models -> inference -> graphs
 

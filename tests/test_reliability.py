@@ -1,8 +1,8 @@
-"""The reliability suite of issue 17 (benchmarks/reliability/, which writes docs/reliability.md).
+"""The reliability suite (benchmarks/reliability/, which writes docs/reliability.md).
 
 First the instrument itself: every outcome class is produced by a case built to produce
 it, so a failure below is the library's, not a misreading. Then a fast subset of the
-benchmark's generated cases (and the crafted .pt2 payloads, both of issue 17's
+benchmark's generated cases (and the crafted .pt2 payloads, both known
 code-execution attacks among them) with the hard targets: no code executed, no silent
 NaN, no silent wrong number, no hang. The full benchmark (>= 3,000 cases, <= 1% obscure
 errors) is the slow test.
@@ -136,7 +136,7 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def test_crafted_archives_run_code_under_a_naive_loader(workdir: Path):
-    """Issue 17's two attacks, rebuilt: a duplicate entry whose first copy is a pickle, and an
+    """The two attacks, rebuilt: a duplicate entry whose first copy is a pickle, and an
     opaque_obj constant. Loaded with plain torch.export.load their payload runs, so the
     benchmark's "0 code executed" on probformer.load means something."""
     cases = []

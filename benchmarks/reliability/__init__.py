@@ -1,4 +1,4 @@
-"""Reliability benchmark (issue 17): thousands of generated cases against every public
+"""Reliability benchmark: thousands of generated cases against every public
 entry point, each outcome classified, written to docs/reliability.md and
 docs/benchmarks/reliability.json.
 

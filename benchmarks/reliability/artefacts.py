@@ -1,5 +1,5 @@
 """probformer.export, and probformer.load of damaged and crafted artefacts: torch folders, .pt2
-archives (issue 17's two code-execution attacks among them) and ONNX files."""
+archives (two known code-execution attacks among them) and ONNX files."""
 
 from __future__ import annotations
 

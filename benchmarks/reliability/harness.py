@@ -104,7 +104,7 @@ def nonfinite(value, depth: int = 0) -> str | None:
 
 def user_facing(error: BaseException) -> bool:
     """One of the brief's user-facing types, or probformer's ``WriteError`` (an ``OSError``
-    for a failed write: disk full, permission; issue 17 asks for exactly that error)."""
+    for a failed write: disk full, permission: the error a user can act on)."""
     write_error = type(error).__name__ == "WriteError" and type(error).__module__.startswith("probformer.")
     return isinstance(error, CLEAR_TYPES) or write_error
 

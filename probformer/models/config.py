@@ -30,7 +30,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "intermediate_size": ("ffn_width",),
 }
 
-# The most each integer key may be (issue 17: sizes whose memory or time would be absurd are
+# The most each integer key may be (sizes whose memory or time would be absurd are
 # refused before anything is allocated). Generous: each is far beyond any model or run we
 # train, and finite. A key that is not listed may be at most DEFAULT_LIMIT.
 LIMITS: dict[str, int] = {

@@ -1,4 +1,4 @@
-"""PT inference as a layer on another model's hidden states (issue 18).
+"""PT inference as a layer on another model's hidden states.
 
 ``PTLayer`` reads hidden states ``x [B, n, D]`` as the evidence of a CRF over token labels
 (``graphs.CRF(embedding_size=D)``: unary potential ``x @ unary``, the usual ternary head

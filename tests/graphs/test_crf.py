@@ -197,7 +197,7 @@ SIZE_LIMITS = {
 @pytest.mark.parametrize("name", sorted(SIZE_LIMITS))
 @pytest.mark.parametrize("excess", [1, 10**12])
 def test_sizes_above_their_limit_are_refused_before_allocation(name, excess):
-    # issue 17: 10**12 reached the allocator (RuntimeError: DefaultCPUAllocator)
+    # 10**12 reached the allocator (RuntimeError: DefaultCPUAllocator)
     value = SIZE_LIMITS[name] + excess if excess == 1 else excess
     with pytest.raises(ValueError, match=rf"{name} must be an integer >= \d+ and <= {SIZE_LIMITS[name]} \(the limit\)"):
         make_crf(**{name: value})

@@ -293,7 +293,7 @@ def test_pt_on_clusters_is_invariant_to_padding():
 
 @pytest.mark.parametrize("bad", ["yes", "False", 1, 0, None, 1.0])
 def test_flag_arguments_must_be_bools(bad):
-    # issue 17: star('yes') was accepted (a truthy string read as wrap=True)
+    # star('yes') was accepted (a truthy string read as wrap=True)
     cases = [
         (lambda: topology.star(bad), r"star\(wrap=...\)"),
         (lambda: topology.star(wrap=bad), r"star\(wrap=...\)"),

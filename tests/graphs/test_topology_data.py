@@ -1,4 +1,4 @@
-"""Topologies from data (issue 18): networkx graphs, masks and callables, stored as data and
+"""Topologies from data: networkx graphs, masks and callables, stored as data and
 restored exactly. Oracles: the arc sets written in each test."""
 
 import json

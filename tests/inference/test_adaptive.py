@@ -1,4 +1,4 @@
-"""Issue 10's engine options, by their invariants and oracles: ACT and confidence exit
+"""The engine options, by their invariants and oracles: ACT and confidence exit
 (inference.halting), adaptive attention span, the Macaron schedule, the product-key
 memory, and the CP / Tucker forms of the ternary tensor."""
 

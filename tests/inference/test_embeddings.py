@@ -1,4 +1,4 @@
-"""Embeddings in (issue 18): CRF(embedding_size=D) reads x [B, n, D] through unary [D, d];
+"""Embeddings in: CRF(embedding_size=D) reads x [B, n, D] through unary [D, d];
 one-hot embeddings with the token-id CRF's table give exactly its posterior."""
 
 import pytest

@@ -57,7 +57,7 @@ def test_log_partition_equals_full_enumeration_of_every_assignment(topo, global_
 
 @pytest.mark.parametrize("gamma", [[2], [3], [2, 4], []])
 def test_log_partition_with_distance_buckets_equals_full_enumeration(gamma):
-    """gamma as cut points (issue 22's distance buckets): Exact against the enumeration,
+    """gamma as cut points: Exact against the enumeration,
     whose distance groups are written in tests/oracles.py; mean field stays below it."""
     torch.manual_seed(3)
     crf = graphs.CRF(vocab_size=4, labels=2, channels=1, rank=2, gamma=gamma)
@@ -118,7 +118,7 @@ def test_refuses_a_plan_whose_largest_bucket_is_too_large_before_computing():
         inference.Exact(crf, max_configurations=2**40).log_partition(torch.zeros(1, 12, dtype=torch.long))
 
 
-# ---- any enumerable Pyro function (issue 18) ------------------------------------------
+# ---- any enumerable Pyro function ------------------------------------------
 
 
 def hmm_case(seed=0, T=4, d=3, V=5, B=2):

@@ -1,4 +1,4 @@
-"""The fused kernel's fast path (issue 19, item 1) against answers written here.
+"""The fused kernel's fast path against answers written here.
 
 ``inference.far_attention``: the far attentions in query blocks that skip fully masked keys,
 and the op's own causal mode past ``NATIVE_CAUSAL_FROM`` (forced here at small n), against

@@ -66,7 +66,7 @@ def test_gibbs_validates_its_arguments():
     ],
 )
 def test_gibbs_refuses_absurd_counts_naming_the_limit(kwargs, match):
-    # issue 17: num_samples=10**12 reached JAX (RESOURCE_EXHAUSTED allocating 8 TB)
+    # num_samples=10**12 reached JAX (RESOURCE_EXHAUSTED allocating 8 TB)
     crf, _, _ = case("full", 0, 0)
     with pytest.raises(ValueError, match=match):
         inference.Gibbs(crf, **kwargs)

@@ -1,4 +1,4 @@
-"""fp16 and bf16 through mean field and the head kernels (issue 19): finite, close to the
+"""fp16 and bf16 through mean field and the head kernels: finite, close to the
 same computation in float32, on batches with rows that have no legal head (padding, the
 first token of ``causal``), where a masking constant that overflows the half type (fp16's
 largest number is 65504; -1e30 is -inf there) would show as inf or NaN.

@@ -179,7 +179,7 @@ def test_reference_weights_reproduce_the_reference_algorithm(n, batch, iteration
     torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.slow  # ~25 s of Pyro SVI; make test-slow (issue 17: make test < 10 min)
+@pytest.mark.slow  # ~25 s of Pyro SVI; make test-slow (make test < 10 min)
 def test_pyro_svi_with_a_mean_field_guide_reaches_the_same_elbo():
     import pyro
     from pyro.infer import SVI, TraceEnum_ELBO
@@ -270,7 +270,7 @@ def test_compiled_engine_equals_eager():
     torch.testing.assert_close(compiled(tokens), mf(tokens).logits, atol=1e-5, rtol=1e-5)
 
 
-PARITY_CASES = [  # (beta_z, beta_h, alpha_z, alpha_h): issue 22's parity with damping and step sizes
+PARITY_CASES = [  # (beta_z, beta_h, alpha_z, alpha_h): parity with the reference's damping and step sizes
     (0.0, 0.3, 1.0, 1.0),
     (0.0, 0.7, 1.0, 1.0),
     (0.4, 0.0, 1.0, 1.0),
@@ -330,7 +330,7 @@ def test_initial_head_logits_none_differs_from_the_reference_only_with_head_damp
 @pytest.mark.parametrize("dists", [[2, 4], [3], [2, 3, 4], [], [2, 5, 6]])
 @pytest.mark.parametrize("beta_h", [0.0, 0.4])
 def test_distance_buckets_reproduce_the_reference_dists(dists, beta_h):
-    """gamma as a list of cut points is the reference's `dists` (issue 22): its distance masks,
+    """gamma as a list of cut points is the reference's `dists`: its distance masks,
     transcribed in tests/reference_pt.py, give the same logits to float64 round-off."""
     torch.manual_seed(len(dists) + int(10 * beta_h))
     d, r, h, n = 5, 3, 2, 8

@@ -1,4 +1,4 @@
-"""No silent NaN or wrong number in the engines at extreme inputs (issue 17, item 5).
+"""No silent NaN or wrong number in the engines at extreme inputs.
 
 The fused head kernel must be finite wherever the naive (materialised) kernel is, and
 as close to the truth: potentials up to +-1e4, rows with no legal head, whole padded
@@ -203,7 +203,7 @@ def test_mean_field_fused_is_finite_on_padded_rows_at_large_potentials(topology,
     n=st.integers(1, 4),
 )
 def test_fused_float32_matches_float64_naive_at_large_potentials(seed, potential, topology, gamma, n):
-    """Issue 17's last silent-wrong cases: tied heads (repeated tokens) at |score| ~ 1e4..1e8
+    """The last silent-wrong cases: tied heads (repeated tokens) at |score| ~ 1e4..1e8
     lost their log 2 in float32 log-space merges. The float64 naive engine on a float64
     copy is the reference; the float32 fused engine must agree as closely as float32 naive."""
     gen = torch.Generator().manual_seed(seed)

@@ -274,7 +274,7 @@ def test_bad_arguments(kwargs, match):
     ],
 )
 def test_absurd_or_non_finite_arguments_are_refused(kwargs, match):
-    # issue 17: SMC(10**12) and temperature=inf were accepted (the latter gave NaN particles)
+    # SMC(10**12) and temperature=inf were accepted (the latter gave NaN particles)
     with pytest.raises(ValueError, match=match):
         SMC(**kwargs)
 
@@ -346,7 +346,7 @@ class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("method", RESAMPLERS)
 def test_filter_reads_nothing_on_the_host_per_step(method, monkeypatch):
-    """Issue 19: no host sync in a filter step. With validate=False a run reads nothing on
+    """no host sync in a filter step. With validate=False a run reads nothing on
     the host; with validate=True it reads once, after the last step."""
     g = torch.Generator().manual_seed(0)
     reads = []

@@ -1,4 +1,4 @@
-"""SMC accepts the same kinds of input everywhere (issue 18): dict or tensor state, data
+"""SMC accepts the same kinds of input everywhere: dict or tensor state, data
 broadcast over the batch, and a clear error for an empty or non-tensor state."""
 
 import pyro

@@ -1,5 +1,5 @@
 """torch.compile(model, fullgraph=True) compiles every model kind's forward without a graph
-break (issue 19), and the compiled model gives the eager model's logits. Slow (a compile
+break, and the compiled model gives the eager model's logits. Slow (a compile
 takes 20-120 s per model on 2 cores): `make test-slow`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Loading a crafted file never runs code from it (issue 17, items 1 and 8).
+"""Loading a crafted file never runs code from it.
 
 The code-execution attacks on ``torch.export.load`` are rebuilt here from a real export:
 each test first shows that plain torch runs the payload (it creates a marker file), then

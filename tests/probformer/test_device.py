@@ -1,4 +1,4 @@
-"""Training on a device (issue 19): ``train.device = "auto" | "cpu" | "cuda"``. No GPU is
+"""Training on a device: ``train.device = "auto" | "cpu" | "cuda"``. No GPU is
 needed for most of this: the refusal of "cuda" where there is none, what "auto" picks,
 and a resume under another device setting run on the CPU; the CUDA run itself is skipped
 with its reason where no CUDA device is present."""

@@ -40,7 +40,7 @@ FLOAT_DTYPES = {torch.float16: 6e4, torch.bfloat16: 1e30, torch.float32: 1e30, t
     exponent=st.integers(-30, 30),
 )
 def test_ess_of_equal_weights_is_exactly_n_at_any_magnitude_and_dtype(dtype, size, fraction, exponent):
-    """N equal log-weights (or weights) give exactly N: issue 17 measured 3.00006 for three
+    """N equal log-weights (or weights) give exactly N: an earlier version gave 3.00006 for three
     equal float32 log-weights of large magnitude."""
     magnitude = min(abs(fraction) * 10.0**exponent, FLOAT_DTYPES[dtype])
     value = math.copysign(magnitude, fraction)
@@ -91,7 +91,7 @@ def test_ess_bad_input(kwargs, match):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [  # the reliability benchmark's cases (issue 17): IndexError or "too many dimensions 'str'"
+    [  # the reliability benchmark's cases: IndexError or "too many dimensions 'str'"
         (
             dict(log_weights=torch.zeros(3, 4), dim=5),
             r"dim must be an integer in \[-2, 1\] \(the weights have 2 dims\)",
@@ -189,7 +189,7 @@ def test_pareto_k_bad_input():
 
 @pytest.mark.parametrize(
     "args,kwargs,match",
-    [  # issue 17: IndexError, "too many dimensions 'str'", ZeroDivisionError or silent NaN
+    [  # IndexError, "too many dimensions 'str'", ZeroDivisionError or silent NaN
         ((["a"],), {}, "log_weights must be a tensor or array of real numbers"),
         ((torch.tensor(0.5),), {}, r"log_weights must have a draws axis: shape \[..., S\]"),
         ((np.zeros(100),), dict(relative_efficiency=0), "relative_efficiency must be a finite number > 0, got 0"),
@@ -296,7 +296,7 @@ def test_report_has_every_variable_and_plots_are_written(kind, tmp_path):
 
 
 def test_the_written_report_is_read_by_arviz(tmp_path, monkeypatch):
-    """Acceptance (issue 20): report.nc opens in ArviZ; az.summary, az.plot_khat and
+    """Acceptance: report.nc opens in ArviZ; az.summary, az.plot_khat and
     az.plot_ess run on it, with the report's own dim names."""
     monkeypatch.setenv("MPLBACKEND", "Agg")
     import matplotlib
@@ -521,7 +521,7 @@ def test_diagnose_cli_writes_the_report(tmp_path, capsys):
     dtype=st.sampled_from([torch.float32, torch.float64]),
 )
 def test_equal_tokens_are_fully_collapsed_at_any_magnitude(exponent, width, tokens, dtype):
-    # issue 17: tokens of size 1e-20 gave cosine ~1e-16 (F.normalize's eps swamped them)
+    # tokens of size 1e-20 gave cosine ~1e-16 (F.normalize's eps swamped them)
     scale = 10.0**exponent
     if dtype == torch.float32 and not 1e-37 < scale < 1e37:
         return  # not representable as a normal float32

@@ -155,7 +155,7 @@ def test_an_unknown_crash_point_is_refused(monkeypatch):
 
 @pytest.mark.slow
 def test_one_hundred_random_sigkills_resume_identically(tmp_path):
-    """The acceptance loop of issue 17 (also ``python benchmarks/kill_resume.py``)."""
+    """The kill-and-resume acceptance loop (also ``python benchmarks/kill_resume.py``)."""
     from benchmarks.kill_resume import kill_and_resume
 
     result = kill_and_resume(trials=100, folder=tmp_path, seed=0)

@@ -1,5 +1,5 @@
-"""Sizes whose memory or time would be absurd are refused before anything is allocated
-(issue 17): every config key, topology argument and MeanField's iterations, each with an
+"""Sizes whose memory or time would be absurd are refused before anything is allocated:
+every config key, topology argument and MeanField's iterations, each with an
 error that names the argument and the limit. Each refusal must come back fast: a refusal
 that took seconds would have allocated (or looped) first."""
 
@@ -192,7 +192,7 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_key(kind, value, data):
 
 @pytest.mark.parametrize(
     "kind,values,match",
-    [  # the reliability benchmark's cases (issue 17): accepted, or a TypeError naming no key
+    [  # the reliability benchmark's cases: accepted, or a TypeError naming no key
         ("probabilistic_transformer", dict(aligned_training=None), "'aligned_training' must be of type bool"),
         ("probabilistic_transformer", dict(aligned_training="yes"), "'aligned_training' must be of type bool"),
         ("probabilistic_transformer", dict(topology=None), "'topology' must be of type str"),
@@ -217,7 +217,7 @@ DROPOUT_KINDS = [kind for kind, cls in CONFIGS.items() if "dropout" in {f.name f
 @pytest.mark.parametrize("kind", DROPOUT_KINDS)
 @given(value=st.floats(allow_nan=True, allow_infinity=True, width=32))
 def test_every_config_dropout_lies_in_zero_one(kind, value):
-    # issue 17: PTConfig(dropout=-0.5) was accepted
+    # PTConfig(dropout=-0.5) was accepted
     cls = CONFIGS[kind]
     if 0 <= value < 1:
         assert make(cls, dropout=value).dropout == value

@@ -1,4 +1,4 @@
-"""No host synchronisation in a model's forward (issue 19): every forward runs under a
+"""No host synchronisation in a model's forward: every forward runs under a
 dispatch mode that fails on a value read (``_local_scalar_dense``, ``is_nonzero``,
 ``item``) and on a copy from a non-CPU tensor to the CPU, with ``Tensor.tolist``,
 ``numpy`` and ``item`` patched to fail as well. No GPU is needed: the same forwards

@@ -1,4 +1,4 @@
-"""Non-finite weights are refused where they enter (issue 17): ``load_state_dict`` of
+"""Non-finite weights are refused where they enter: ``load_state_dict`` of
 every model kind refuses a state with a NaN or infinite value anywhere, names the
 tensor, and leaves the model exactly as it was; finite states still load."""
 

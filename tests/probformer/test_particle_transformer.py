@@ -135,7 +135,7 @@ def test_exported_from_the_package():
     assert pf.ParticleTransformer is ParticleTransformer and math.isfinite(1.0)
 
 
-# ---- resampling="copy": literal SMC resampling (issue 22) --------------------------------
+# ---- resampling="copy": literal SMC resampling --------------------------------
 
 # weights written by hand on a row with padding in the middle; n = 6 real tokens
 HAND_MASK = torch.tensor([True, True, False, True, True, True, True, False])

@@ -1,11 +1,11 @@
-"""The PT's outputs are pinned across the declaration refactoring (issue 18).
+"""The PT's outputs are pinned across the declaration refactoring.
 
 tests/data/pt_outputs_bf4904d.safetensors was written by the code of commit bf4904d, the last
 commit before factor templates (graphs.factors, CRF(factors=...), the declared Pyro model,
 engines compiling templates): three float64 PTs' weights, one padded batch, and their task
 logits and label marginals. Today's code, given the same configs and weights, must give the
 same numbers to float64 round-off (bit for bit when this file was written; since the kernels'
-rewrites of issue 19 reorder sums and products, within a relative 1e-13). The configs cover both
+later rewrites reorder sums and products, within a relative 1e-13). The configs cover both
 kernels, async and parallel schedules, μP, a virtual ROOT node, a global variable and
 window / causal topologies.
 """

@@ -1,4 +1,4 @@
-"""save_pretrained / from_pretrained and the config aliases (issue 20, deliverable 5).
+"""save_pretrained / from_pretrained and the config aliases.
 
 Oracles: the source model's own logits and config (a loaded model must give the same
 logits bit for bit), the folder's files read here with ``json`` and ``safetensors``

@@ -1,4 +1,4 @@
-"""probformer.PTLayer: PT inference as a layer on hidden states (issue 18)."""
+"""probformer.PTLayer: PT inference as a layer on hidden states."""
 
 from __future__ import annotations
 

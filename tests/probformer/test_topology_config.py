@@ -1,4 +1,4 @@
-"""A PT on a topology given as data (issue 18): a networkx graph, a bool mask or a
+"""A PT on a topology given as data: a networkx graph, a bool mask or a
 graphs.Topology in PTConfig(topology=...) is stored as its arc list, so the config is JSON,
 a save / load round trip restores the same arcs and logits, and a topology with no stored
 form (a callable) is refused when the config is built, before anything is written."""
@@ -98,7 +98,7 @@ def test_a_topology_with_no_stored_form_is_refused_when_the_config_is_built():
 
 
 def test_a_pt_with_distance_buckets_round_trips(tmp_path):
-    """PTConfig(gamma=[2, 4]): the reference's dists = "2, 4" (issue 22) in a trainable model,
+    """PTConfig(gamma=[2, 4]): the reference's dists = "2, 4" in a trainable model,
     stored as JSON and restored with the same logits; bad cut points named by the config key."""
     torch.manual_seed(0)
     config = PTConfig(vocab_size=12, labels=6, channels=2, rank=3, iterations=2, dropout=0.0, gamma=[2, 4])

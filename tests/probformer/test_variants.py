@@ -1,4 +1,4 @@
-"""Issue 10's options as Probabilistic Transformer config keys: the losses they add, the
+"""The options as Probabilistic Transformer config keys: the losses they add, the
 trainer running them, the configs refusing what is not derived, export refusing what
 its runtime lacks."""
 
