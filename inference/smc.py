@@ -296,7 +296,8 @@ class SMC:
             relative = joint.sub_(top).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
             # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the
             # ESS; taken as 2 ** (x log2 e): on CPUs exp2 runs several times faster than exp
-            # (docs/benchmarks.md), the multiplication is cheap, and the rounding of x log2 e moves a weight by at most |x| eps relative (x >= flush)
+            # (docs/benchmarks.md), the multiplication is cheap, and the rounding of x log2 e moves
+            # a weight by at most |x| eps relative (x >= flush)
             if in_place:
                 unnormalised = torch.clamp_min(relative, flush, out=weights_buffer).mul_(LOG2_E).exp2_()
                 torch.threshold_(unnormalised, flushed, 0.0)
