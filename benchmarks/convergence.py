@@ -2,9 +2,9 @@
 MLM), each at its tuned learning rate, trained until the validation loss has not improved
 for PATIENCE epochs (at most MAX_EPOCHS).
 
-    .venv/bin/python benchmarks/convergence.py                # run / resume the study
-    .venv/bin/python benchmarks/convergence.py --workers 2    # two runs side by side
-    .venv/bin/python benchmarks/convergence.py --report       # the table, the plot, the claim
+    .venv/bin/python -m benchmarks.convergence                # run / resume the study
+    .venv/bin/python -m benchmarks.convergence --workers 2    # two runs side by side
+    .venv/bin/python -m benchmarks.convergence --report       # the table, the plot, the claim
 
 The recipe, stated in the table: the model's config (configs/<model>-small.toml) with
 its learning rate from the tuned sweep (docs/benchmarks/ptb_lr_sweep.json), linear

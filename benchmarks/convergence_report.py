@@ -1,7 +1,7 @@
 """The convergence study's report, read from the run folders alone: the validation
 perplexity curves (a plot), per run the best perplexity and its epoch, tokens/s and CPU
 hours, the crossing point of PT's curve with each baseline's, and the claim the curves
-support so far (``.venv/bin/python benchmarks/convergence.py --report``)."""
+support so far (``.venv/bin/python -m benchmarks.convergence --report``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from benchmarks.convergence import MAX_EPOCHS, PATIENCE, PLOT, RESULTS, ROOT, finished, tuned_lr, validations
 
 COMMAND = (
-    ".venv/bin/python benchmarks/convergence.py --workers 2 && .venv/bin/python benchmarks/convergence.py --report"
+    ".venv/bin/python -m benchmarks.convergence --workers 2 && .venv/bin/python -m benchmarks.convergence --report"
 )
 
 
