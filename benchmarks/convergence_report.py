@@ -102,6 +102,7 @@ def plot(rows: list[dict]) -> None:
             label = f"{row['config']} seed {row['seed']} (lr {row['lr']:g})"
             axes.plot(epochs, row["curve"], style, marker="o", color=colours.get(row["config"]), label=label)
     axes.set_yscale("log")
+    axes.xaxis.get_major_locator().set_params(integer=True)  # epochs are whole numbers
     axes.set_xlabel("epoch")
     axes.set_ylabel("validation masked-token perplexity")
     axes.set_title("PTB MLM, small size, tuned learning rates")
