@@ -10,8 +10,8 @@ independent (``inference.tempered_target``), so
 with b(z) the unary, ``Pairwise`` and user log-potentials of the labels. At beta = 0 it is
 log q_z(z) (q's rows are normalised), at beta = 1 the CRF's collapsed log-potential, whose
 sum over z is log Z. Tempered SMC weighs the labels alone with it: the heads' and
-globals' sampling noise never enters the weights (Rao-Blackwellisation), which on a PT-sized
-CRF cuts the spread of log p/q about tenfold. The head terms cost O(C N^2) per particle:
+globals' sampling noise never enters the weights (Rao-Blackwellisation; docs/benchmarks.md
+has what it saves). The head terms cost O(C N^2) per particle:
 ``head_pass`` computes them for several betas from one gather of the scores, and draws
 the heads at one of them.
 """
