@@ -4,7 +4,7 @@ for PATIENCE epochs (at most MAX_EPOCHS).
 
     .venv/bin/python -m benchmarks.convergence                # run / resume the study
     .venv/bin/python -m benchmarks.convergence --workers 2    # two runs side by side
-    .venv/bin/python -m benchmarks.convergence --report       # the table, the plot, the claim
+    .venv/bin/python -m benchmarks.convergence_report         # the table, the plot, the claim
 
 The recipe, stated in the table: the model's config (configs/<model>-small.toml) with
 its learning rate from the tuned sweep (docs/benchmarks/ptb_lr_sweep.json), linear
@@ -173,7 +173,6 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="runs trained side by side (one thread each)")
     parser.add_argument("--slice", type=int, default=1, help="epochs a run trains before yielding its worker")
     parser.add_argument("--models", default=",".join(MODELS), help="subset of pt,bert,ut")
-    parser.add_argument("--report", action="store_true", help="write the plot and JSON, print the table")
     args = parser.parse_args()
     models = args.models.split(",")
     if not models or any(m not in MODELS for m in models):
@@ -181,11 +180,6 @@ def main() -> None:
     for name in ("seeds", "workers", "slice"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.report:
-        from benchmarks.convergence_report import report
-
-        print(report([f"{m}-small" for m in models], args.seeds))
-        return
     if os.getpgrp() != os.getpid():
         os.setpgrp()  # one group: kill -STOP -<group> pauses the workers too
     study(args.seeds, args.workers, args.slice, models)

@@ -36,8 +36,9 @@ sys.path.insert(0, os.getcwd())  # the tree it is run in, not an installed copy
 import torch  # noqa: E402
 
 import graphs  # noqa: E402
-from inference import flex_kernel, head_kernels  # noqa: E402
-from inference.head_kernels import HeadStructure  # noqa: E402
+from inference.mean_field.kernels import flex as flex_kernel  # noqa: E402
+from inference.mean_field.kernels import head_kernels
+from inference.mean_field.kernels.head_kernels import HeadStructure  # noqa: E402
 
 LABELS, CHANNELS, RANK, GAMMA = 256, 8, 64, 3
 KERNELS = {"naive": head_kernels.naive, "fused": head_kernels.fused, "flex": flex_kernel.flex}
@@ -156,7 +157,8 @@ def mask_build_times(lengths=(2048, 4096), batch: int = 8) -> list[dict]:
     (K = 8 groups, C = 8 channels) through ``MeanField.structure``: the first batch of a
     length (the topology's block table built and cached) and a later one (only the batch's
     own step), each the best of 3, on one thread."""
-    from inference import MeanField, flex_masks
+    from inference import MeanField
+    from inference.mean_field.kernels import flex_masks
 
     rows = []
     for n in lengths:

@@ -1,30 +1,37 @@
 """inference: engines that compute marginals of ``graphs`` models.
 
-Exact (Pyro enumeration) and Gibbs (NumPyro) are the reference oracles; MeanField and
-SMC are the compiled engines. ``inference`` never imports ``probformer``.
+One room per engine:
 
-The numerical core a trained model runs (``mean_field``, ``head_kernels``,
-``halting``, ``folding``, ``posterior``) imports torch alone; the engines built on Pyro,
-NumPyro or ArviZ are imported on first use, so an exported model loads where those
-are not installed.
+    mean_field/     MeanField (engine), its update (schedules), its bound (bound), and
+                    kernels/ for the head (attention) kernels: naive, fused, flex, shared
+    smc/            SMC (filter), the resamplers, TemperedSMC (tempered) for CRFs
+    reference/      the oracles: Exact (Pyro enumeration), Gibbs (NumPyro), Pyro SVI
+
+and beside them what every engine shares: ``posterior`` (one Posterior contract),
+``declaration`` (what an engine compiles of a CRF, or refuses) and ``arviz_interop``.
+``inference`` never imports ``probformer``.
+
+The numerical core a trained model runs (``mean_field``, ``posterior``) imports torch
+alone; the engines built on Pyro, NumPyro or ArviZ are imported on first use, so an
+exported model loads where those are not installed.
 """
 
 import importlib
 
-from inference import factor_messages
-from inference.folding import Folded, FoldState
-from inference.mean_field import MeanField, MessageWeights, MupScales
+from inference.mean_field import factor_messages
+from inference.mean_field.engine import MeanField, MessageWeights, MupScales
+from inference.mean_field.folding import Folded, FoldState
 from inference.posterior import Posterior
 
 _LAZY = {
-    "Exact": "inference.exact",
-    "Gibbs": "inference.gibbs",
-    "GibbsResult": "inference.gibbs",
-    "SMC": "inference.smc",
-    "SMCResult": "inference.smc",
-    "TemperedSMC": "inference.tempered_smc",
-    "TemperedSMCResult": "inference.tempered_smc",
-    "mean_field_guide": "inference.svi",
+    "Exact": "inference.reference.exact",
+    "Gibbs": "inference.reference.gibbs",
+    "GibbsResult": "inference.reference.gibbs",
+    "SMC": "inference.smc.filter",
+    "SMCResult": "inference.smc.filter",
+    "TemperedSMC": "inference.smc.tempered",
+    "TemperedSMCResult": "inference.smc.tempered",
+    "mean_field_guide": "inference.reference.svi",
 }
 
 __all__ = ["Posterior", "factor_messages", "MeanField", "MessageWeights", "MupScales", "Folded", "FoldState", *_LAZY]

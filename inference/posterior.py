@@ -28,7 +28,7 @@ class Posterior:
     trace: per-iteration diagnostics (variational engines), a dict of tensors.
 
     history: the label logits ``[B, N, d]`` after each iteration (variational engines).
-    halting: per-node halting bookkeeping (``inference.halting``) or None.
+    halting: per-node halting bookkeeping (``inference.mean_field.halting``) or None.
     ``h``, ``elbo`` and ``trace`` may be given as zero-argument callables: they are
     then computed on first access (an engine that never materialises the ``n x n``
     head marginals builds them only when asked).

@@ -35,3 +35,24 @@ def test_the_mean_curve_stops_at_the_shortest_seed():
     ]
     assert mean_curve(rows, "pt-small") == [11.0, 7.0]
     assert mean_curve(rows, "ut-small") == []
+
+
+def test_the_ranking_is_read_against_the_papers():
+    from benchmarks.convergence_report import against_the_paper
+
+    text = against_the_paper([600.0, 500.0], [650.0, 400.0])
+    assert "BERT is ahead (500.0 PT vs 400.0 BERT): this agrees with" in text
+    assert "PT is ahead" in against_the_paper([300.0], [400.0]) and "reverse" in against_the_paper([300.0], [400.0])
+
+
+def test_the_section_replaces_only_what_lies_between_its_markers(tmp_path, monkeypatch):
+    from benchmarks import convergence_report
+
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\nearlier section\n")
+    monkeypatch.setattr(convergence_report, "DOC", page)
+    convergence_report.write_section("first report")
+    convergence_report.write_section("second report")
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n\nearlier section\n")
+    assert text.count(convergence_report.HEADING) == 1 and "second report" in text and "first report" not in text

@@ -74,7 +74,7 @@ def test_every_model_refuses_a_non_finite_parameter_naming_it(kind, value, data)
 @given(value=st.sampled_from(BAD), rows=st.integers(1, 3), particles=st.integers(1, 5), data=st.data())
 @settings(max_examples=5)
 def test_resampling_refuses_non_finite_weights_naming_them(method, value, rows, particles, data):
-    from inference.smc import resample_indices
+    from inference.smc.filter import resample_indices
 
     weights = torch.rand(rows, particles) + 0.1
     weights[data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, particles - 1))] = value

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphs.device_checks import refuse_non_finite_parameters
-from inference.folding import segment_stream
+from inference.mean_field.folding import segment_stream
 from probformer.models.blocks import Block, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 from probformer.models.pretrained import PretrainedMixin

@@ -58,7 +58,7 @@ class PTConfig(ConfigMixin):
     task: str = "mlm"
     num_classes: int = 0  # tagging / classification outputs
     pooling: str = "mean"
-    # adaptive computation (inference.halting): "act" (ponder cost in the loss) or "exit"
+    # adaptive computation (inference.mean_field.halting): "act" (ponder cost in the loss) or "exit"
     halting: str = "none"
     halting_source: str = "posterior"  # what ACT's halting unit reads: "posterior" or "delta"
     act_epsilon: float = 0.01

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from inference import head_kernels
+from inference.mean_field.kernels import head_kernels
 from probformer.mup import param_groups, widen
 from probformer.training import data
 

@@ -1,5 +1,5 @@
 """The engine options, by their invariants and oracles: ACT and confidence exit
-(inference.halting), adaptive attention span, the Macaron schedule, the product-key
+(inference.mean_field.halting), adaptive attention span, the Macaron schedule, the product-key
 memory, and the CP / Tucker forms of the ternary tensor."""
 
 import math

@@ -1,4 +1,4 @@
-"""Head kernels under bfloat16 autocast compute in float32 (inference.kernel_precision).
+"""Head kernels under bfloat16 autocast compute in float32 (inference.mean_field.kernels.precision).
 
 Oracle: the messages and log-normalisers of head_kernels' docstring, materialised here in
 float64 from the same inputs. The inputs are bfloat16 numbers (held in float32), so rounding
@@ -14,8 +14,11 @@ import pytest
 import torch
 
 import graphs
-from inference import flex_kernel, head_kernels, kernel_choice, mean_field
-from inference.head_kernels import HeadStructure
+from inference.mean_field import engine as mean_field
+from inference.mean_field.kernels import choice as kernel_choice
+from inference.mean_field.kernels import flex as flex_kernel
+from inference.mean_field.kernels import head_kernels
+from inference.mean_field.kernels.head_kernels import HeadStructure
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/inference/conftest.py
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import graphs
 import inference
-from inference import far_attention, head_kernels
+from inference.mean_field.kernels import head_kernels
+from inference.mean_field.kernels.fused import far_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/inference/conftest.py
 

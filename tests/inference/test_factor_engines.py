@@ -66,7 +66,7 @@ def test_user_factor_message_is_the_gradient_written_by_hand():
     crf = chain_crf()
     tokens, mask = torch.tensor([[1, 4, 2]]), torch.tensor([[True, True, True]])
     q = torch.rand(1, 3, 3, dtype=torch.float64).softmax(-1)
-    terms = inference.factor_messages.FactorTerms([crf.factors[1]], tokens, mask, 3)
+    terms = inference.mean_field.factor_messages.FactorTerms([crf.factors[1]], tokens, mask, 3)
     w = crf.factors[1].weight.item()
     expected = w * torch.stack([q[0, 1], q[0, 0] + q[0, 2], q[0, 1]])
     torch.testing.assert_close(terms.message(q)[0], expected)

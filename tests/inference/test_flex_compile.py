@@ -2,7 +2,7 @@
 
 Dynamo recompiles a compiled function when a guarded shape or constant changes, and after
 its recompile limit (8) it runs the function eagerly with only a warning: for flex, the
-O(n^2) path. The kernel compiles per configuration (inference.flex_kernel._compiled) with
+O(n^2) path. The kernel compiles per configuration (inference.mean_field.kernels.flex._compiled) with
 dynamic shapes. On the CPU the compiled path runs with the aot_eager backend and without
 gradients (inductor's CPU flex has no lse and no backward); the oracle is the eager
 reference on the same inputs, and the counts are Dynamo's own counters.
@@ -13,9 +13,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import graphs
-from inference import flex_kernel
-from inference.flex_kernel import flex
-from inference.mean_field import MeanField
+from inference.mean_field.engine import MeanField
+from inference.mean_field.kernels import flex as flex_kernel
+from inference.mean_field.kernels.flex import flex
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/inference/conftest.py
 

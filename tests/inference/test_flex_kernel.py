@@ -1,4 +1,4 @@
-"""The flex_attention head kernel (inference.flex_kernel) against the naive kernel and a
+"""The flex_attention head kernel (inference.mean_field.kernels.flex) against the naive kernel and a
 dense reference written here, in values and gradients.
 
 On the CPU the kernel runs flex_attention's eager reference, which reads only the block
@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import graphs
-from inference import flex_kernel, flex_masks, head_kernels, kernel_choice, mean_field
-from inference.flex_kernel import flex
-from inference.head_kernels import HeadStructure
+from inference.mean_field import engine as mean_field
+from inference.mean_field.kernels import choice as kernel_choice
+from inference.mean_field.kernels import flex as flex_kernel
+from inference.mean_field.kernels import flex_masks, head_kernels
+from inference.mean_field.kernels.flex import flex
+from inference.mean_field.kernels.head_kernels import HeadStructure
 
 TOPOLOGIES = ["full", "causal", "window(2)", "chain()", "full | root()"]
 # gamma as an integer, or distance buckets' cut points

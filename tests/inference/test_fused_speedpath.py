@@ -1,10 +1,10 @@
 """The fused kernel's fast path against answers written here.
 
-``inference.far_attention``: the far attentions in query blocks that skip fully masked keys,
+``inference.mean_field.kernels.fused.far_attention``: the far attentions in query blocks that skip fully masked keys,
 and the op's own causal mode past ``NATIVE_CAUSAL_FROM`` (forced here at small n), against
 a masked softmax materialised from the definition, for outputs, lse and every gradient
 (the key bias's included), on both sides, with and without a token mask, and with padding
-keys. ``inference.message_assembly``: parts written into one tensor against their plain
+keys. ``inference.mean_field.kernels.fused.message_assembly``: parts written into one tensor against their plain
 sum. ``head_kernels.fused`` against the materialised messages at lengths that make several
 query blocks, for every topology kind (unmasked, causal, masked, windowed, virtual nodes).
 """
@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 
 import graphs
 import inference
-from inference import far_attention, head_kernels
-from inference.head_kernels import HeadStructure
-from inference.message_assembly import Part, assemble
+from inference.mean_field.kernels import head_kernels
+from inference.mean_field.kernels.fused import far_attention
+from inference.mean_field.kernels.fused.message_assembly import Part, assemble
+from inference.mean_field.kernels.head_kernels import HeadStructure
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/inference/conftest.py
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import graphs
-from inference import flex_kernel, head_kernels
-from inference.flex_kernel import flex
-from inference.head_kernels import HeadStructure
-from inference.mean_field import MeanField
+from inference.mean_field.engine import MeanField
+from inference.mean_field.kernels import flex as flex_kernel
+from inference.mean_field.kernels import head_kernels
+from inference.mean_field.kernels.flex import flex
+from inference.mean_field.kernels.head_kernels import HeadStructure
 
 HALF = [torch.float16, torch.bfloat16]
 # relative to the largest entry; measured errors against float32 on these batches are ~4x

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 import graphs
-from inference import flex_kernel
-from inference.mean_field import MeanField
+from inference.mean_field.engine import MeanField
+from inference.mean_field.kernels import flex as flex_kernel
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/inference/conftest.py
 

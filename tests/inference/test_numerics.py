@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import graphs
 import inference
-from inference import head_kernels
-from inference.head_kernels import HeadStructure
-from inference.mean_field import MeanField
+from inference.mean_field.engine import MeanField
+from inference.mean_field.kernels import head_kernels
+from inference.mean_field.kernels.head_kernels import HeadStructure
 from tests import oracles
 
 TOPOLOGIES = [
@@ -407,7 +407,7 @@ def _assert_outputs_close(results, expected, rtol, atol):
 def test_null_softmax_equals_a_softmax_over_an_explicit_null_column(seed, n, scale, illegal, outputs):
     """The naive kernel's head distribution (the null logit 0 never materialised, backward
     written out) against the definition; values and gradients of either output, float64."""
-    from inference.null_softmax import softmax_with_null
+    from inference.mean_field.kernels.null_softmax import softmax_with_null
 
     generator = torch.Generator().manual_seed(seed)
     B, C = 2, 3
@@ -440,7 +440,7 @@ def test_shared_heads_equal_the_definition(seed, n, scale, illegal, additive, ou
     + additive[c, i, j] on the legal arcs, the softmax over them and a null column, the
     messages P V and P^T V_rev; values and gradients of any subset of the outputs, float64.
     (The log2 scaling rounds the logits once more: rtol 1e-10 at logits ~1e3.)"""
-    from inference.shared_heads import shared_heads
+    from inference.mean_field.kernels.shared_heads import shared_heads
 
     generator = torch.Generator().manual_seed(seed)
     B, C, r = 2, 3, 4
@@ -477,7 +477,7 @@ def test_shared_heads_equal_the_definition(seed, n, scale, illegal, additive, ou
 def test_shared_heads_refuses_a_tensor_scale_and_a_second_derivative():
     """The scale is a constant of the kernel (a tensor would silently get no gradient), and
     the written-out backward is differentiable once: both refused by name."""
-    from inference.shared_heads import shared_heads
+    from inference.mean_field.kernels.shared_heads import shared_heads
 
     q, k, v, vr = (torch.randn(1, 3, 2, 2, dtype=torch.float64, requires_grad=True) for _ in range(4))
     arcs = torch.ones(1, 3, 3, dtype=torch.bool)

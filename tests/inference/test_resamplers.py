@@ -1,4 +1,4 @@
-"""The resamplers (inference.resamplers, as the SMC engine calls them): offspring counts
+"""The resamplers (inference.smc.resamplers, as the SMC engine calls them): offspring counts
 with expectation N w, lower variance than multinomial, exactness where N w is an integer,
 systematic resampling's floor/ceil property and sorted ancestors, on normalised and on
 unnormalised weights."""
@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy import stats
 
-from inference.resamplers import SystematicResampler, systematic_ancestors
-from inference.smc import RESAMPLERS, resample_indices
+from inference.smc.filter import RESAMPLERS, resample_indices
+from inference.smc.resamplers import SystematicResampler, systematic_ancestors
 
 # ---- resamplers ------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import graphs
 import inference
-from inference import head_kernels
+from inference.mean_field.kernels import head_kernels
 from tests.builders import shared_crf
 from tests.oracles import group_of
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inference import SMC
-from inference.smc import RESAMPLERS
+from inference.smc.filter import RESAMPLERS
 
 # ---- an exact oracle: the Kalman filter -----------------------------------------------
 

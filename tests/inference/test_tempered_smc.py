@@ -12,9 +12,9 @@ import torch
 
 import graphs
 import inference
-from inference import gibbs_moves
-from inference.tempered_smc import TemperedSMC
-from inference.tempered_target import compile_target
+from inference.smc import gibbs_moves
+from inference.smc.tempered import TemperedSMC
+from inference.smc.tempered_target import compile_target
 from tests import oracles
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -47,7 +47,7 @@ def test_every_kind_compiles_without_graph_breaks(name):
 @pytest.mark.parametrize("ternary_form", ["shared", "low_rank"])
 def test_the_naive_kernel_trains_compiled_without_graph_breaks(ternary_form):
     """Training goes through the naive kernel's written-out backward passes
-    (``inference.null_softmax``): compiled with fullgraph=True, the loss and every gradient
+    (``inference.mean_field.kernels.null_softmax``): compiled with fullgraph=True, the loss and every gradient
     equal eager's."""
     torch.manual_seed(0)
     config = PTConfig(

@@ -33,7 +33,7 @@ log-normalisers merge by log-sum-exp. The reverse message of a far part is an
 attention with queries and keys swapped whose key bias is ``-lse`` of the forward
 rows, un-normalised by its own ``lse`` (so no column sum is ever materialised). The far
 attentions run through the CPU flash op in query blocks that skip fully masked keys
-(``inference.far_attention``): each block reads only the keys its rows can reach, bounded by
+(``inference.mean_field.kernels.fused.far_attention``): each block reads only the keys its rows can reach, bounded by
 the topology's data (a band's reach, a segment length) where it has them (``_far_spans``).
 Everything stays token-major (``[B, N, C, r]`` per group, views of the projections), and
 the messages come back as one tensor (``stacked``).
@@ -58,12 +58,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from inference.far_attention import ABSENT, MASKED, KeySpan, far_attention, flash_available
-from inference.head_structure import HeadMessages, HeadStructure
-from inference.kernel_precision import full_precision
-from inference.message_assembly import Part, assemble, band_scores
-from inference.null_softmax import softmax_with_null
-from inference.shared_heads import shared_heads
+from inference.mean_field.kernels.fused.far_attention import ABSENT, MASKED, KeySpan, far_attention, flash_available
+from inference.mean_field.kernels.fused.message_assembly import Part, assemble, band_scores
+from inference.mean_field.kernels.null_softmax import softmax_with_null
+from inference.mean_field.kernels.precision import full_precision
+from inference.mean_field.kernels.shared_heads import shared_heads
+from inference.mean_field.kernels.structure import HeadMessages, HeadStructure
 
 __all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
 
@@ -141,7 +141,7 @@ def naive(
     # dynamic batch has no length to loop over)
     if shared and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
         # one projection for every group: one sentence at a time, P written once, no other
-        # [B, C, N, N] tensor forward or backward (inference.shared_heads)
+        # [B, C, N, N] tensor forward or backward (inference.mean_field.kernels.shared_heads)
         potential = head_potential(structure, bias, query.dtype)
         probs, lse, forward, reverse = shared_heads(
             query.squeeze(2), key.squeeze(2), scale, potential, structure.arcs, value.squeeze(2), value_rev.squeeze(2)

@@ -3,7 +3,7 @@ distance group; distance enters as an additive bias), computed one sentence at a
 
 For a sentence b the head logits of every channel, ``S = scale q k^T + additive`` with
 ``-inf`` on illegal arcs, are one ``[C, N, N]`` block; its row softmax P (with the null
-column of ``inference.null_softmax``: logit 0 on rows with no legal head, never
+column of ``inference.mean_field.kernels.null_softmax``: logit 0 on rows with no legal head, never
 materialised), the log-normaliser and both messages ``P V`` and ``P^T V_rev`` are taken
 from it while it is in cache, and P is written straight into the ``[B, C, N, N]`` tensor
 that the backward reads. The backward works sentence by sentence in one ``[C, N, N]``
@@ -29,7 +29,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from inference.kernel_precision import full_precision
+from inference.mean_field.kernels.precision import full_precision
 
 __all__ = ["shared_heads"]
 

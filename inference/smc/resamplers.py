@@ -1,4 +1,4 @@
-"""Resamplers of the batched particle filter (``inference.smc``): ancestor indices ``[B, N]``
+"""Resamplers of the batched particle filter (``inference.smc.filter``): ancestor indices ``[B, N]``
 for the weights ``[B, N]`` of B independent filters, with no host read.
 
 Hard resamplers (offspring counts have expectation N w_i): multinomial, stratified,

@@ -90,7 +90,7 @@ class Exact:
         ``log_partition(*args, **kwargs)`` (its own arguments) -> ``[B]`` over its outermost
         plate (the plate every sample site is in), a scalar if it has none."""
         if self.function is not None:
-            from inference import enumeration  # Pyro's machinery, for any function
+            from inference.reference import enumeration  # Pyro's machinery, for any function
 
             return enumeration.log_partition(self.function, args, kwargs, self.max_configurations)
         factors, _, letters = self._factors(*self.crf.check_any(*args, **kwargs))
@@ -102,7 +102,7 @@ class Exact:
         from each enumerated latent site's name to its probabilities ``[..., k]`` over its
         k values (``enumerate_support`` order), the batch shape of the site first."""
         if self.function is not None:
-            from inference import enumeration
+            from inference.reference import enumeration
 
             return enumeration.marginals(self.function, args, kwargs, self.max_configurations)
         return self._declaration_marginals(*self.crf.check_any(*args, **kwargs))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from inference import head_kernels, kernel_choice
-from inference.factor_messages import FactorTerms
+from inference.mean_field.factor_messages import FactorTerms
+from inference.mean_field.kernels import choice as kernel_choice
+from inference.mean_field.kernels import head_kernels
 
 __all__ = ["elbo", "full_elbo", "sequential"]
 

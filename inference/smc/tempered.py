@@ -3,7 +3,7 @@ error and posterior marginals of any CRF the Gibbs engine compiles.
 
 The particles of every sentence start as exact draws from q (by default the mean-field
 posterior of the same CRF) and move along p_beta ∝ q^(1 - beta) gamma^beta, beta from 0 to 1
-(``inference.tempered_target``: gamma is the CRF's unnormalised joint of labels, heads and
+(``inference.smc.tempered_target``: gamma is the CRF's unnormalised joint of labels, heads and
 globals). Each step
 
 1. picks the next beta per particle system by bisection on the conditional ESS (Zhou,
@@ -11,9 +11,9 @@ globals). Each step
    ``(sum_i W_i w_i)^2 / sum_i W_i w_i^2 >= target_ess``, ``w_i = exp(delta log(gamma/q)(x_i))``,
    ``W`` the normalised weights; vectorised over systems, on the device;
 2. reweights: ``log Z += log sum_i W_i w_i`` (q is normalised, so Z_0 = 1);
-3. resamples the systems whose ESS fell below ``resample_threshold`` (``inference.resamplers``);
+3. resamples the systems whose ESS fell below ``resample_threshold`` (``inference.smc.resamplers``);
 4. moves every particle with ``sweeps`` batched Gibbs sweeps at the new beta
-   (``inference.gibbs_moves``), which leave p_beta invariant.
+   (``inference.smc.gibbs_moves``), which leave p_beta invariant.
 
 Along a fixed schedule Z-hat of one system is unbiased for Z; a schedule each system picks
 from its own particles biases it low by O(1/P). So by default a pilot run (one adaptive
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from inference import collapsed_weights, gibbs_moves
 from inference.posterior import Posterior
-from inference.resamplers import RESAMPLERS, resample_indices
-from inference.tempered_target import TemperedTarget, compile_target
+from inference.smc import collapsed_weights, gibbs_moves
+from inference.smc.resamplers import RESAMPLERS, resample_indices
+from inference.smc.tempered_target import TemperedTarget, compile_target
 
 __all__ = ["TemperedSMC", "TemperedSMCResult"]
 
@@ -100,7 +100,7 @@ class TemperedSMC:
             returns a ``Posterior`` of this CRF; default ``MeanField(crf, iterations=4)``.
             ``run(..., proposal=posterior)`` takes a ``Posterior`` directly.
         target_ess: the conditional-ESS fraction each tempering step keeps, in (0, 1).
-        resample: one of ``inference.resamplers.RESAMPLERS``; resample_threshold: resample a
+        resample: one of ``inference.smc.resamplers.RESAMPLERS``; resample_threshold: resample a
             system when its ESS / P falls below it ((0, 1]; 1: every step).
         sweeps: Gibbs sweeps per step; rounds: label rounds per sweep (the colouring's).
         max_steps: tempering steps at most (the last one goes to beta = 1 whatever its ESS).
@@ -189,7 +189,7 @@ class TemperedSMC:
     def _proposal_posterior(self, tokens, mask, embeddings) -> Posterior:
         engine = self.proposal
         if engine is None:
-            from inference.mean_field import MeanField
+            from inference.mean_field.engine import MeanField
 
             try:
                 engine = MeanField(self.crf, iterations=4, kernel="naive")
@@ -381,7 +381,7 @@ def _head_marginals(target: TemperedTarget, z, weights) -> torch.Tensor:
     arcs = target.per_system(target.arcs)
     has_head = target.per_system(target.has_head)
     flat = target.table.reshape(-1)
-    step = max(1, gibbs_moves.CHUNK_ENTRIES // max(1, P * C * N * N))
+    step = max(1, collapsed_weights.CHUNK_ENTRIES // max(1, P * C * N * N))
     parts = []
     for start in range(0, S, step):
         part = slice(start, start + step)

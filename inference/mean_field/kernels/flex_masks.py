@@ -1,4 +1,4 @@
-"""The block masks of the flex head kernel (``inference.flex_kernel``), memory-linear.
+"""The block masks of the flex head kernel (``inference.mean_field.kernels.flex``), memory-linear.
 
 Heads h = c * K + k (channel c, distance group k). A head's mask is "arc (q -> kv) exists
 and falls in group k". The mask_mod computes it by index arithmetic from O(B N) data: the
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from graphs.distances import distance_groups
-from inference.head_structure import HeadStructure, band_limits
+from inference.mean_field.kernels.structure import HeadStructure, band_limits
 
 __all__ = ["BLOCK", "block_masks", "group_count"]
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inference.message_assembly import write_product
+from inference.mean_field.kernels.fused.message_assembly import write_product
 
 __all__ = ["far_attention", "flash_available", "KeySpan", "UNBOUNDED", "MASKED", "SINK", "ABSENT"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.halting import ACT, ConfidenceExit
+from inference.mean_field.halting import ACT, ConfidenceExit
 
 __all__ = ["unrolled", "macaron"]
 

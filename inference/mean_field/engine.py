@@ -27,7 +27,7 @@ Schedules:
 
 Options (each a named constructor argument):
     halting     "act" (adaptive computation time) or "exit" (confidence-based exit at
-                inference), ``inference.halting``; frozen halted tokens, masks only.
+                inference), ``inference.mean_field.halting``; frozen halted tokens, masks only.
     span        adaptive attention span: a learned span z_c per channel and the soft
                 distance mask m(x) = clamp((R + z_c - x) / R, 0, 1) on token arcs at
                 distance x, added as the log prior log m(x) on the head variables (a
@@ -40,14 +40,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference import head_kernels, kernel_choice, mean_field_bound, mean_field_schedules
-from inference.factor_messages import FactorTerms
-from inference.halting import HALTING, HALTING_SOURCES
-from inference.head_kernels import HeadStructure
-from inference.message_weights import MessageWeights, MupScales, labels_and_heads
-from inference.null_softmax import softmax_with_null
+from inference.mean_field import bound as mean_field_bound
+from inference.mean_field import schedules as mean_field_schedules
+from inference.mean_field.factor_messages import FactorTerms
+from inference.mean_field.halting import HALTING, HALTING_SOURCES
+from inference.mean_field.kernels import choice as kernel_choice
+from inference.mean_field.kernels import head_kernels
+from inference.mean_field.kernels.head_kernels import HeadStructure
+from inference.mean_field.kernels.null_softmax import softmax_with_null
+from inference.mean_field.message_weights import MessageWeights, MupScales, labels_and_heads
+from inference.mean_field.projections import GemmTables, back_project, project
 from inference.posterior import Posterior
-from inference.projections import GemmTables, back_project, project
 
 __all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
 

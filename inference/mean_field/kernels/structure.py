@@ -1,6 +1,6 @@
 """What a head kernel reads and returns, as data: the arcs of one batch (``HeadStructure``)
-and the head messages (``HeadMessages``). The kernels (``inference.head_kernels``,
-``inference.flex_kernel``) are functions of them.
+and the head messages (``HeadMessages``). The kernels (``inference.mean_field.kernels.head_kernels``,
+``inference.mean_field.kernels.flex``) are functions of them.
 
 Memory: a structure holds O(B N) per batch. The token arcs are the topology's own table
 (``token_arcs [n, n]``, cached once per (topology, n, device) by ``graphs.Topology.mask``),

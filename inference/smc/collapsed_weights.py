@@ -1,7 +1,7 @@
 """The labels' marginal of the tempered target: heads and globals summed out in closed form.
 
 Given the labels z, every head H_i^c and global G_i of p_beta ∝ q^(1 - beta) gamma^beta is
-independent (``inference.tempered_target``), so
+independent (``inference.smc.tempered_target``), so
 
     log p_beta(z) = (1 - beta) log q_z(z) + beta b(z)
                     + sum_{c, i has a head} log sum_j q_h[c, i, j]^(1 - beta) exp(beta T[k(i, j), c, z_i, z_j])
@@ -20,9 +20,17 @@ from __future__ import annotations
 
 import torch
 
-from inference.tempered_target import TemperedTarget
+from inference.smc.tempered_target import TemperedTarget
 
 __all__ = ["label_terms", "head_pass", "global_pass", "terms_at", "current_terms"]
+
+
+# entries of one chunk of head logits [systems, P, C, N, N]: bounds the move's memory
+CHUNK_ENTRIES = 2**22
+# the head score of an arc the topology forbids: finite, so lerp never meets inf - inf, and
+# beta >= MIN_BETA makes its weight exp(beta FORBIDDEN) exactly 0
+FORBIDDEN = -1e30
+MIN_BETA = 1e-20
 
 
 def label_terms(target: TemperedTarget, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +47,6 @@ def label_terms(target: TemperedTarget, z: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _weight(beta: torch.Tensor, dims: int, dtype) -> torch.Tensor:
-    from inference.gibbs_moves import MIN_BETA
 
     return beta.to(dtype).reshape(-1, *([1] * dims)).clamp(min=MIN_BETA)
 
@@ -67,6 +74,20 @@ def _row_terms(logits, scores_minus_log_q, keep, derivative: bool, sample: bool,
     return normaliser, slope, drawn
 
 
+def head_tables(target: TemperedTarget):
+    """What the head sampler reads, built once per layout: ``rows [d, C, (K + 1) d]`` with
+    ``rows[a, c, k d + b] = T[k, c, a, b]`` and a last block of -inf (the column of every arc
+    the topology forbids, FORBIDDEN); ``columns [S, N, N]``, k(i, j) d on arcs and K d elsewhere;
+    ``log_qh [S, N, C, N]`` (0 off the arcs: the -inf column rules them out)."""
+    K, C, d, _ = target.table.shape
+    forbidden = target.table.new_full((d, C, d), FORBIDDEN)
+    rows = torch.cat([target.table.permute(2, 1, 0, 3).reshape(d, C, K * d), forbidden], -1)
+    arcs = target.per_system(target.arcs)
+    columns = torch.where(arcs, target.groups * d, K * d)
+    log_qh = torch.where(arcs[:, None], target.per_system(target.log_qh), 0.0).permute(0, 2, 1, 3).contiguous()
+    return rows, columns, log_qh
+
+
 def head_pass(
     target: TemperedTarget, z, betas, sample: int | None = None, derivative: int | None = None, generator=None
 ):
@@ -74,7 +95,6 @@ def head_pass(
     ``(normalisers, slope, h)``: the head terms of log p_beta(z) for each beta (``[S, P]``
     float64), their beta-derivative at ``betas[derivative]`` (or None), heads ``[S, P, C, N]``
     drawn from p_beta(h | z) at ``betas[sample]`` (or None). A chunk of systems at a time."""
-    from inference.gibbs_moves import CHUNK_ENTRIES, head_tables
 
     S, P, N = z.shape
     C = target.table.shape[1]

@@ -6,7 +6,7 @@ log-evidence grows by ``log sum_i W_i exp(inc_i)`` with W the normalised weights
 before the step (so it stays unbiased across resampling); then every filter whose
 ESS / N falls below ``ess_threshold`` resamples (its weights become uniform).
 
-Resamplers and relaxations: ``inference.resamplers``.
+Resamplers and relaxations: ``inference.smc.resamplers``.
 
 Two ways in:
     smc.filter(init, step, num_steps, batch_size=B)   plain tensor callables
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.pyro_state_space import state_space_callables
-from inference.resamplers import (
+from inference.smc.pyro_state_space import state_space_callables
+from inference.smc.resamplers import (
     RELAXATIONS,
     RESAMPLERS,
     SystematicResampler,

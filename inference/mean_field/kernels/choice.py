@@ -2,14 +2,15 @@
 
 ``MeanField.resolved_kernel``, ``fused_compute_dtype`` and ``heads`` delegate here; the
 engine keeps the maths of mean field, this module the choice between kernels that compute
-the same messages (``inference.head_kernels``, ``inference.flex_kernel``).
+the same messages (``inference.mean_field.kernels.head_kernels``, ``inference.mean_field.kernels.flex``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from inference import flex_kernel, head_kernels
+from inference.mean_field.kernels import flex as flex_kernel
+from inference.mean_field.kernels import head_kernels
 
 __all__ = ["resolved_kernel", "fused_compute_dtype", "heads", "log_normaliser"]
 

@@ -1,4 +1,4 @@
-"""The head messages (``inference.head_kernels``'s docstring) through torch's flex_attention.
+"""The head messages (``inference.mean_field.kernels.head_kernels``'s docstring) through torch's flex_attention.
 
 One attention head per (channel c, distance group k), head h = c * K + k: it attends with
 group k's query and key over the arcs of group k only (a block mask built from the
@@ -14,7 +14,7 @@ repeated per group; keys and values are not), and the messages are summed over t
 
 Memory: the projections in head layout and the per-head lse, O(n); the block masks'
 metadata, O((n / 128)^2) per head, built once per batch from tables cached per topology
-(``inference.flex_masks``); the mask_mod reads O(B n) data; the compiled kernels keep
+(``inference.mean_field.kernels.flex_masks``); the mask_mod reads O(B n) data; the compiled kernels keep
 nothing n x n.
 
 Where it runs: on CUDA, the compiled flex_attention (Triton; ``BACKEND="TRITON"``, whose
@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch._higher_order_ops.flex_attention import flex_attention as _flex_reference
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-from inference.flex_masks import BLOCK, block_masks, group_count
-from inference.head_structure import HeadMessages, HeadStructure
-from inference.kernel_precision import full_precision
+from inference.mean_field.kernels.flex_masks import BLOCK, block_masks, group_count
+from inference.mean_field.kernels.precision import full_precision
+from inference.mean_field.kernels.structure import HeadMessages, HeadStructure
 
 __all__ = ["flex", "flex_available", "COMPILE_BACKEND", "COMPILED_DEVICES"]
 

@@ -8,7 +8,7 @@ faulted in again on the next use, several times the cost of filling a reused buf
 docs/benchmarks.md has the measurements). Autograd through the plain operators made several such tensors
 per iteration and the concatenated null column a strided copy of P; ``softmax_with_null``
 makes one, in its backward. (The shared ternary form goes further, one sentence at a time:
-``inference.shared_heads``.)
+``inference.mean_field.kernels.shared_heads``.)
 
 Gradients: with P = softmax and l the log-normaliser of logits x per row,
 dx = P * (dP - sum_j(dP * P) + dl).

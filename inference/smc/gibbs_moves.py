@@ -2,7 +2,7 @@
 particle at once, and every variable of a block updated together.
 
 The target at inverse temperature beta is p_beta ∝ q^(1 - beta) gamma^beta
-(``inference.tempered_target``). A sweep is two exact block updates, each leaving p_beta
+(``inference.smc.tempered_target``). A sweep is two exact block updates, each leaving p_beta
 invariant:
 
 1. heads and globals given the labels: every H_i^c and G_i is conditionally independent
@@ -25,17 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.tempered_target import TemperedTarget
+from inference.smc.collapsed_weights import global_pass, head_pass
+from inference.smc.tempered_target import TemperedTarget
 
 __all__ = ["sweep", "sample_heads", "sample_globals", "update_labels", "label_logits"]
-
-# entries of one chunk of head logits [systems, P, C, N, N]: bounds the move's memory
-CHUNK_ENTRIES = 2**22
-# the head score of an arc the topology forbids: finite, so lerp never meets inf - inf, and
-# beta >= MIN_BETA makes its weight exp(beta FORBIDDEN) exactly 0
-FORBIDDEN = -1e30
-MIN_BETA = 1e-20
-
 
 def _column(beta: torch.Tensor, dims: int, dtype) -> torch.Tensor:
     """``[S]`` as ``[S, 1, ..., 1]`` with ``dims`` trailing ones."""
@@ -50,25 +43,10 @@ def sweep(target: TemperedTarget, z, h, g, beta, rounds: int, generator=None):
     return z, h, g
 
 
-def head_tables(target: TemperedTarget):
-    """What the head sampler reads, built once per layout: ``rows [d, C, (K + 1) d]`` with
-    ``rows[a, c, k d + b] = T[k, c, a, b]`` and a last block of -inf (the column of every arc
-    the topology forbids, FORBIDDEN); ``columns [S, N, N]``, k(i, j) d on arcs and K d elsewhere;
-    ``log_qh [S, N, C, N]`` (0 off the arcs: the -inf column rules them out)."""
-    K, C, d, _ = target.table.shape
-    forbidden = target.table.new_full((d, C, d), FORBIDDEN)
-    rows = torch.cat([target.table.permute(2, 1, 0, 3).reshape(d, C, K * d), forbidden], -1)
-    arcs = target.per_system(target.arcs)
-    columns = torch.where(arcs, target.groups * d, K * d)
-    log_qh = torch.where(arcs[:, None], target.per_system(target.log_qh), 0.0).permute(0, 2, 1, 3).contiguous()
-    return rows, columns, log_qh
-
-
 def sample_heads(target: TemperedTarget, z, beta, generator=None) -> torch.Tensor:
     """``h [S, P, C, N]`` drawn from p_beta(h | z) (``collapsed_weights.head_pass``: the logits
     ``beta T[k(i, j), c, z_i, z_j] + (1 - beta) log q_h`` by two gathers, the rows of z_i, then
     the column k(i, j) d + z_j of each)."""
-    from inference.collapsed_weights import head_pass
 
     return head_pass(target, z, [beta], sample=0, generator=generator)[2]
 
@@ -85,7 +63,6 @@ def sample_rows(logits: torch.Tensor, generator=None) -> torch.Tensor:
 
 def sample_globals(target: TemperedTarget, z, beta, generator=None):
     """``g [S, P, n]`` drawn from p_beta(g | z), or None without global variables."""
-    from inference.collapsed_weights import global_pass
 
     return global_pass(target, z, [beta], sample=0, generator=generator)[2]
 
