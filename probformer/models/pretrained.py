@@ -129,10 +129,14 @@ def build_model(meta: dict, where, device: str = "meta") -> nn.Module:
         raise ValueError(f"{where}: bad model config: {error}") from None
 
 
-def check_finite(tensors: dict, where) -> None:
+def check_finite(tensors: dict, where, error: type[Exception] = ValueError) -> None:
+    """``error`` naming the first floating tensor of ``tensors`` that holds a NaN or an
+    infinity (one host read for all of them): a ``ValueError`` for what is read or saved, a
+    ``FloatingPointError`` for the weights a training step made."""
     bad = non_finite(tensors)
     if bad:
-        raise ValueError(f"{where}: tensor {bad[0]!r} holds NaN or infinite values")
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise error(f"{where}: tensor {bad[0]!r}{more} holds NaN or infinite values")
 
 
 def least_bytes(model: nn.Module) -> int:

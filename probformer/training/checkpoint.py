@@ -20,10 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from probformer.models import pretrained, registry
-from probformer.models.blocks import non_finite
 from probformer.training.data import SubwordVocabulary, Vocabulary
 
-__all__ = ["save", "load", "FORMAT", "WriteError", "write_failure", "check_finite"]
+__all__ = ["save", "load", "FORMAT", "WriteError", "write_failure"]
 
 FORMAT = pretrained.TORCH_FORMAT  # one format with the torch export
 
@@ -52,15 +51,6 @@ def write_failure(path, error: BaseException) -> WriteError:
         culprit = getattr(error, "filename", None)
     where = f" (at {culprit})" if culprit and str(culprit) != str(path) else ""
     return WriteError(f"cannot write {path}: {reason}{where}", getattr(error, "errno", None), culprit, reason)
-
-
-def check_finite(tensors: dict, where) -> None:
-    """``FloatingPointError`` naming the first floating tensor of ``tensors`` that holds a
-    NaN or an infinity (one host read for all of them)."""
-    bad = non_finite(tensors)
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise FloatingPointError(f"{where}: tensor {bad[0]!r}{more} holds non-finite values (NaN or infinity)")
 
 
 def _write_failure(path, error: BaseException):

@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from probformer.models import registry
+from probformer.models.pretrained import check_finite
 from probformer.training import checkpoint, crash_points
 from probformer.training.checkpoint import WriteError, write_failure
 
@@ -122,7 +123,7 @@ def save_training_checkpoint(run_dir, step: int, model, optimizer, vocabulary, c
         # (exact resume), and what ``latest`` names is never replaced
         return final
     try:
-        checkpoint.check_finite(registry.unique_state(model), f"parameters after step {step}")
+        check_finite(registry.unique_state(model), f"parameters after step {step}", FloatingPointError)
     except FloatingPointError as error:
         previous = _pointed_name(folder)
         kept = f"{folder / previous} stays the last checkpoint" if previous else "no checkpoint was written yet"
