@@ -188,8 +188,7 @@ def write_section(text: str) -> None:
         head, _, rest = page.partition(START)
         page = head + body + rest.partition(END)[2]
     else:
-        figure = "![validation perplexity by epoch](benchmarks/convergence.png)"
-        page = page.rstrip("\n") + f"\n\n{HEADING}\n\n{figure}\n\n{body}\n"
+        page = page.rstrip("\n") + f"\n\n{HEADING}\n\n{body}\n"
     DOC.write_text(page)
 
 
