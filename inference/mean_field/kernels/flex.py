@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import torch
 import torch.nn.attention.flex_attention as flex_module
@@ -65,9 +66,18 @@ def _compiled(configuration: tuple):
     Each is a function of its own code object, so each has its own recompile budget; shapes
     within it are dynamic. Compiled on first use, not at import: torch.compile pulls in
     sympy and networkx, which an exported model's runtime must not need."""
-    namespace = {"flex_attention": flex_attention}
-    exec("def attend(*args, **kwargs):\n    return flex_attention(*args, **kwargs)\n", namespace)  # noqa: S102
-    return torch.compile(namespace["attend"], backend=configuration[0], dynamic=True, fullgraph=True)
+    # a copy of _attend's code object: Dynamo keeps one cache (and budget) per code object
+    code = _attend.__code__.replace(co_name=f"attend_{len(_CONFIGURATIONS)}")
+    _CONFIGURATIONS.append(configuration)
+    attend = types.FunctionType(code, _attend.__globals__, code.co_name)
+    return torch.compile(attend, backend=configuration[0], dynamic=True, fullgraph=True)
+
+
+_CONFIGURATIONS: list[tuple] = []  # the configurations compiled so far, in order
+
+
+def _attend(*args, **kwargs):
+    return flex_attention(*args, **kwargs)
 
 
 def _no_duck_shapes():
