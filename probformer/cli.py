@@ -10,7 +10,7 @@ and the one-line error convention needs one overridden method. Conventions:
 - ``--debug`` (before or after the verb) shows the traceback instead, and every warning;
 - no warning reaches the terminal otherwise: the few that third-party code raises on
   correct use are silenced where they are raised, narrowly (deploy.exporter,
-  diagnostics.measures, inference.arviz_interop), not here.
+  diagnostics.trace_measures, inference.arviz_interop), not here.
 
 Verbs import their heavy modules (torch, pyro, ...) when they run, so ``--help``,
 ``--version`` and argument errors answer at once.

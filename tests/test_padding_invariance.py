@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 import graphs
 import inference
 from probformer.diagnostics import diversity, ess, pareto_k, report
-from probformer.diagnostics.measures import measure
 from probformer.diagnostics.probe import layer_metrics
+from probformer.diagnostics.trace_measures import measure
 from probformer.models import registry
 
 VOCAB = 12
@@ -269,7 +269,7 @@ def test_pareto_k_of_a_padded_sentence_is_fitted_on_its_real_tokens_only():
     sentence padded to 26 gives ArviZ's k-hat of its 22 real tokens."""
     import arviz as az
 
-    from probformer.diagnostics.measures import _pareto_k_per_sentence
+    from probformer.diagnostics.trace_measures import _pareto_k_per_sentence
 
     rng = np.random.default_rng(0)
     log_weights = torch.tensor(rng.standard_t(2, size=(1, 2, 26)))  # [L, B, n]

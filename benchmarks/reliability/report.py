@@ -29,7 +29,7 @@ HOMES = {
     "inference.MeanField": "inference/mean_field/engine.py, head_kernels.py",
     "inference.SMC": "inference/smc/filter.py",
     "inference.Gibbs": "inference/reference/gibbs.py",
-    "probformer.diagnostics": "probformer/diagnostics/metrics.py, report.py",
+    "probformer.diagnostics": "probformer/diagnostics/estimators.py, report.py",
     "probformer.training.run_config": "probformer/training/run_config.py",
     "probformer.training.checkpoint": "probformer/training/checkpoint.py",
     "probformer CLI": "probformer/cli.py",

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from probformer.diagnostics.metrics import pareto_k
+from probformer.diagnostics.estimators import pareto_k
 
 __all__ = ["InferenceGap", "inference_gap", "add_to_report", "plot_inference_gap", "KHAT_GOOD", "KHAT_ACCEPTABLE"]
 

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from probformer.diagnostics.measures import measure
+from probformer.diagnostics.trace_measures import measure
 
 __all__ = ["layer_metrics", "PROBE_MEASURES"]
 

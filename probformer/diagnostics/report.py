@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from inference import arviz_interop
-from probformer.diagnostics.measures import DRAW, Measures, measure
+from probformer.diagnostics.trace_measures import DRAW, Measures, measure
 
 __all__ = ["report", "VARIABLES", "layer_means", "describe", "coordinate_ascent"]
 

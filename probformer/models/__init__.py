@@ -2,4 +2,4 @@
 model, a task head): the Probabilistic Transformer, the Particle Transformer, the
 BERT-style / Universal-Transformer baselines, SwarmFormer and FoldedContext, built
 from the shared blocks in ``probformer.models.blocks`` and the μP parametrisation in
-``probformer.models.mup``."""
+``probformer.models.mup_parametrization``."""

@@ -21,10 +21,10 @@ from torch import nn
 import graphs
 import inference
 from graphs.device_checks import refuse_non_finite_parameters
-from probformer.models import mup
+from probformer.models import mup_parametrization as mup
 from probformer.models.blocks import POOLINGS, TASKS, TaskHead, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
-from probformer.models.mup import PARADIGMS
+from probformer.models.mup_parametrization import PARADIGMS
 from probformer.models.pretrained import PretrainedMixin
 
 __all__ = ["PTConfig", "ProbabilisticTransformer"]

@@ -1,5 +1,5 @@
 """μP for the Probabilistic Transformer: the parametrisation lives with the models
-(``probformer.models.mup``); this package adds the tools that check it:
+(``probformer.models.mup_parametrization``); this package adds the tools that check it:
 ``probformer.mup.coord_check`` and ``probformer.mup.neighbourhood`` (``probformer mup
 coord-check | neighbourhood``, or ``python -m probformer.mup ...``).
 
@@ -25,7 +25,7 @@ __all__ = [
 def __getattr__(name: str):
     if name not in __all__:
         raise AttributeError(f"module 'probformer.mup' has no attribute {name!r}")
-    value = getattr(importlib.import_module("probformer.models.mup"), name)
+    value = getattr(importlib.import_module("probformer.models.mup_parametrization"), name)
     globals()[name] = value
     return value
 

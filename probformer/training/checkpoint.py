@@ -3,7 +3,7 @@
 ``vocabulary.json`` (and ``tokenizer.json`` for a subword vocabulary). A run's ``model/``,
 each checkpoint and a torch export are this folder, so ``probformer.from_pretrained``,
 ``probformer.load`` and every CLI verb read all of them; a training checkpoint keeps its
-optimiser, step and RNG state beside the model files (``checkpointing``).
+optimiser, step and RNG state beside the model files (``run_checkpoints``).
 
 All files are written under temporary names and renamed into place only when every one
 is written, so a killed process leaves either the old files or the new ones; a failed

@@ -27,8 +27,8 @@ import torch
 
 from probformer.models import pretrained
 from probformer.training import checkpoint, data
-from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.corpus import IGNORE, windows
+from probformer.training.run_checkpoints import latest_checkpoint
 from probformer.training.validation import evaluate_model
 
 __all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "encode_windows", "TASKS", "SPLITS"]

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 from probformer.training import run_config
-from probformer.training.checkpointing import latest_checkpoint
 from probformer.training.data import text_lines
+from probformer.training.run_checkpoints import latest_checkpoint
 from probformer.training.run_config import RunConfig
 
 __all__ = ["RESUMABLE_CHANGES", "resume_source", "check_same_encoding", "text_fingerprint", "saved_fingerprint"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from probformer.training import crash_points
 from probformer.training.checkpoint import write_failure
-from probformer.training.checkpointing import write_text_atomic
+from probformer.training.run_checkpoints import write_text_atomic
 
 __all__ = ["RunLog", "Progress", "WALL_CLOCK_KEYS"]
 

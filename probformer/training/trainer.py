@@ -14,7 +14,7 @@ Transformer baselines) and both tasks (MLM, UPOS tagging):
   clipping, tokens/s, and every ``diagnostics_every`` steps the PT's and the Particle
   Transformer's per-layer ESS and diversity on a fixed probe batch) as JSONL, CSV and
   TensorBoard scalars (``run_log``), a loss-curve PNG;
-- checkpoints every ``checkpoint_every`` steps and after the last (``checkpointing``:
+- checkpoints every ``checkpoint_every`` steps and after the last (``run_checkpoints``:
   a SIGKILL at any instant leaves the last complete checkpoint loadable); metrics,
   the loss window and the loss curve in ``run_log``. Randomness (dropout, masking,
   data order) is a function of (seed, step, epoch), so ``--resume`` reproduces the
@@ -44,13 +44,13 @@ import torch.nn.functional as F
 
 from probformer.diagnostics.probe import layer_metrics
 from probformer.models import registry
-from probformer.models.mup import param_groups
-from probformer.training import checkpoint, checkpointing, crash_points, run_config
-from probformer.training.checkpointing import latest_checkpoint
+from probformer.models.mup_parametrization import param_groups
+from probformer.training import checkpoint, crash_points, run_checkpoints, run_config
 from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
 from probformer.training.data import SubwordVocabulary
 from probformer.training.early_stopping import EarlyStopping
 from probformer.training.resume import check_same_encoding, resume_source, saved_fingerprint, text_fingerprint
+from probformer.training.run_checkpoints import latest_checkpoint
 from probformer.training.run_config import RunConfig
 from probformer.training.run_log import Progress, RunLog
 from probformer.training.validation import describe, evaluate_model
@@ -181,7 +181,7 @@ class Trainer:
         except OSError as error:
             raise checkpoint.write_failure(self.out, error) from None
         record = {**self.config.to_dict(), "data_sha256": self.data_sha256}
-        checkpointing.write_text_atomic(self.out / "run.json", json.dumps(record, indent=1))
+        run_checkpoints.write_text_atomic(self.out / "run.json", json.dumps(record, indent=1))
         self.log.create()
 
     # -- state --
@@ -197,18 +197,18 @@ class Trainer:
             "early_stopping": self.early_stopping.state(),
             **self.log.state(),
         }
-        return checkpointing.save_training_checkpoint(
+        return run_checkpoints.save_training_checkpoint(
             self.out, self.step, self.model, self.optimizer, self.corpus.vocabulary, counters
         )
 
     def _restore(self) -> None:
         if self.rank == 0:
-            checkpointing.remove_stale_temporaries(self.out)
+            run_checkpoints.remove_stale_temporaries(self.out)
         if self.resume_from is None:  # killed before the first checkpoint: start again, in place
             if self.rank == 0:
                 self._create_run_folder()
             return
-        counters = checkpointing.restore_training_checkpoint(self.resume_from, self.model, self.optimizer)
+        counters = run_checkpoints.restore_training_checkpoint(self.resume_from, self.model, self.optimizer)
         for key in ("step", "epoch", "batch_in_epoch", "tokens_seen", "elapsed"):
             setattr(self, key, counters[key])
         self.early_stopping.restore(counters.get("early_stopping", {}))
@@ -379,7 +379,7 @@ class Trainer:
         self.log.write({"step": self.step, "split": "valid", "final": True, **final})
         crash_points.reached("final:logged")
         self.plot()
-        checkpointing.save_final_model(self.out, self.model, self.corpus.vocabulary, self.corpus.tags)
+        run_checkpoints.save_final_model(self.out, self.model, self.corpus.vocabulary, self.corpus.tags)
         crash_points.reached("final:model")
         summary = {
             "kind": self.config.kind,
@@ -395,7 +395,7 @@ class Trainer:
             if self.config.train.patience
             else None,
         }
-        checkpointing.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
+        run_checkpoints.write_text_atomic(self.out / "summary.json", json.dumps(summary, indent=1))
         if self.progress:
             print(f"validation {describe(final)}; model in {self.out / 'model'}", flush=True)
         return summary

@@ -14,7 +14,7 @@ import torch
 import probformer as pf
 from probformer import cli
 from probformer.models import pretrained, registry
-from probformer.training import checkpoint, checkpointing, data
+from probformer.training import checkpoint, data, run_checkpoints
 
 KINDS = ("run", "model", "checkpoint", "export")
 
@@ -33,13 +33,13 @@ def folders(tmp_path_factory):
     run = root / "run"
     run.mkdir()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    checkpointing.save_training_checkpoint(run, 2, model, optimizer, vocabulary, {"step": 2})
-    checkpointing.save_final_model(run, model, vocabulary, None)
+    run_checkpoints.save_training_checkpoint(run, 2, model, optimizer, vocabulary, {"step": 2})
+    run_checkpoints.save_final_model(run, model, vocabulary, None)
     pf.export(model, root / "export", vocabulary=vocabulary)
     paths = {
         "run": run,
         "model": run / "model",
-        "checkpoint": checkpointing.latest_checkpoint(run),
+        "checkpoint": run_checkpoints.latest_checkpoint(run),
         "export": root / "export",
     }
     return {"paths": paths, "model": model, "vocabulary": vocabulary, "text": root / "text.txt", "root": root}
@@ -127,9 +127,7 @@ def test_training_files_are_the_only_extras_a_model_folder_takes(folders, tmp_pa
 
 def snapshot(root: Path) -> dict:
     """Every folder and every file's bytes under ``root``."""
-    return {
-        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))
-    }
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
 def failing_writes(monkeypatch, fail_at: int):
@@ -158,7 +156,7 @@ def failing_writes(monkeypatch, fail_at: int):
 
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
     monkeypatch.setattr(checkpoint, "save_file", save_file)
-    monkeypatch.setattr(checkpointing, "save_file", save_file)
+    monkeypatch.setattr(run_checkpoints, "save_file", save_file)
     monkeypatch.setattr(Path, "write_text", write_text)
     return calls
 
@@ -201,7 +199,7 @@ def test_a_failed_training_checkpoint_leaves_the_run_folder_as_it_was(tmp_path, 
     before = snapshot(tmp_path)
     calls = failing_writes(monkeypatch, fail_at)
     with pytest.raises(checkpoint.WriteError, match="No space left on device"):
-        checkpointing.save_training_checkpoint(run, 1, model, optimizer, vocabulary, {"step": 1})
+        run_checkpoints.save_training_checkpoint(run, 1, model, optimizer, vocabulary, {"step": 1})
     assert calls["n"] == fail_at + 1
     assert snapshot(tmp_path) == before  # not even checkpoints/, which the first save creates
 

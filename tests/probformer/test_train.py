@@ -493,10 +493,10 @@ def stale(run: Path) -> list[str]:
 def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch):
     import errno
 
-    from probformer.training import checkpointing
+    from probformer.training import run_checkpoints
 
     config = write_config(tmp_path, steps=6)
-    writes, write = [], checkpointing.save_file
+    writes, write = [], run_checkpoints.save_file
 
     def filling_up(tensors, path):
         writes.append(path)
@@ -504,7 +504,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         write(tensors, path)
 
-    monkeypatch.setattr(checkpointing, "save_file", filling_up)
+    monkeypatch.setattr(run_checkpoints, "save_file", filling_up)
     with pytest.raises(checkpoint.WriteError, match=r"cannot write .*checkpoints/step-0000004: No space left") as e:
         train(config, tmp_path / "run", progress=False)
     assert e.value.__cause__ is None and e.value.__suppress_context__  # one error, not a chain from inside

@@ -1,11 +1,9 @@
-"""Topologies given as data, before they become a ``Topology``: a bool mask or a
-``networkx.DiGraph`` over the positions ``0..n_max-1``, a function of the sentence length
-that returns either, the dict ``Topology.to_data()`` stores, and the text of the built-ins
-(``"window(2) | star()"``). Each is checked here, with an error that says what is wrong,
-and read into what a ``Topology`` is made of: the stored arc table that a sentence of
-length n slices, or a term's name and arguments. ``graphs.topology`` makes the
-``Topology`` (``from_mask``, ``from_graph``, ``from_callable``, ``from_data``, ``parse``):
-this module knows no ``Topology`` class, so the imports run one way, topology -> here.
+"""The one reader of topology specs: anything that describes a topology becomes a
+``Topology`` here, checked with an error that says what is wrong. ``parse`` takes them
+all: a ``Topology``; the text of the built-ins (``"window(2) | star()"``); a bool mask or a
+``networkx.DiGraph`` over the positions ``0..n_max-1`` (stored as an arc table that a
+sentence of length n slices); a function of the sentence length that returns either; or
+the dict ``Topology.to_data()`` stores (``from_data``).
 """
 
 from __future__ import annotations
@@ -16,10 +14,87 @@ from collections.abc import Callable, Collection
 import torch
 
 from graphs.limits import MAX_NODES
+from graphs.topology.arc_set import Topology
+from graphs.topology.builtins import NAMES
 
-__all__ = ["arcs_of_mask", "arcs_of_graph", "arc_table", "arcs_of_callable", "read_data", "read_term"]
+__all__ = ["parse", "from_mask", "from_graph", "from_callable", "from_data"]
 
 _TERM = re.compile(r"^\s*([a-z_]+)\s*(?:\(\s*([^()]*?)\s*\))?\s*$")
+
+
+def from_mask(mask) -> Topology:
+    """Arcs from a boolean ``[n_max, n_max]`` mask over positions (``mask[i, j]``: i may
+    choose j as head; the diagonal must be False). A sentence of length n <= n_max uses
+    ``mask[:n, :n]``; a longer one is refused."""
+    return _from_arcs(*arcs_of_mask(mask))
+
+
+def from_graph(graph) -> Topology:
+    """Arcs from a ``networkx.DiGraph`` on the positions ``0..n_max-1`` (an edge i -> j:
+    i may choose j as head). A sentence of length n uses the subgraph on ``0..n-1``."""
+    return _from_arcs(*arcs_of_graph(graph))
+
+
+def from_callable(build: Callable) -> Topology:
+    """Arcs from a function of the sentence length n returning a ``networkx.DiGraph`` on
+    ``0..n-1`` or a bool ``[n, n]`` mask. It has no stored form: ``to_data`` refuses it,
+    so a model on it cannot be checkpointed or exported (store a graph or mask instead)."""
+    name, arcs = arcs_of_callable(build)
+    return Topology(name, (), arcs)
+
+
+def _from_arcs(arcs: list, n_max: int) -> Topology:
+    name, build, data = arc_table(arcs, n_max)
+    return Topology(name, (), build, data=data)
+
+
+def from_data(data) -> Topology:
+    """The topology of ``Topology.to_data()``'s description."""
+    kind, value = read_data(data)
+    if kind == "text":
+        return parse(value)
+    if kind == "arcs":
+        return _from_arcs(*value)
+    return from_data(value[0]) | from_data(value[1])
+
+
+def parse(spec) -> Topology:
+    """A topology from anything that describes one: a ``Topology``; text, e.g. ``"full"``,
+    ``"window(3)"``, ``"window(2) | star()"``, ``"star(wrap=True)"`` (arguments are integers
+    or True/False); a ``networkx.DiGraph`` on positions (``from_graph``); a bool mask
+    (``from_mask``); a function n -> graph or mask (``from_callable``); or the dict of
+    ``Topology.to_data()``."""
+    if isinstance(spec, Topology):
+        return spec
+    if isinstance(spec, torch.Tensor):
+        return from_mask(spec)
+    if isinstance(spec, dict):
+        return from_data(spec)
+    if hasattr(spec, "edges") and hasattr(spec, "nodes"):
+        return from_graph(spec)
+    if callable(spec):
+        return from_callable(spec)
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"topology must be a Topology, a non-empty string, a networkx DiGraph, a bool mask, a function n -> graph "
+            f"or Topology.to_data()'s dict, got {spec!r}"
+        )
+    parts = [_parse_term(term, spec) for term in spec.split("|")]
+    result = parts[0]
+    for part in parts[1:]:
+        result = result | part
+    return result
+
+
+def _parse_term(term: str, spec: str) -> Topology:
+    name, args, kwargs = read_term(term, spec, NAMES)
+    try:
+        return NAMES[name](*args, **kwargs)
+    except TypeError as error:
+        raise ValueError(f"bad arguments for topology {name!r} in {spec!r}: {error}") from None
+
+
+# ---- checks: each spec is read into arcs (or a term) with an error that says what is wrong ----
 
 
 def arcs_of_mask(mask) -> tuple[list, int]:

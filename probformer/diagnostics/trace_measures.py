@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from probformer.diagnostics.metrics import MIN_PSIS_DRAWS, diversity, ess, pareto_k
+from probformer.diagnostics.estimators import MIN_PSIS_DRAWS, diversity, ess, pareto_k
 
 __all__ = ["Measures", "measure", "dim_names", "DRAW", "TOKEN", "PARTICLE", "CLUSTER"]
 

@@ -1,5 +1,5 @@
-"""The diagnostics' measures: when importance weights degenerate (the SMC view of
-attention) and when token representations collapse (over-smoothing).
+"""The diagnostics' estimators, functions of tensors: when importance weights degenerate
+(the SMC view of attention) and when token representations collapse (over-smoothing).
 
     ess(weights) / ess(log_weights=...)   effective sample size (sum w)^2 / sum w^2
     pareto_k(log_weights)                 PSIS Pareto k-hat through ArviZ, with a verdict

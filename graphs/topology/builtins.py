@@ -1,0 +1,174 @@
+"""The built-in topologies: ``full``, ``causal``, ``chain``, ``window``, ``star``,
+``root``, ``clusters`` and ``segments``. Each is stored as its constructor's text
+(``Topology.to_data()`` gives ``{"text": "window(2)"}``), which ``graphs.topology.parse``
+reads back through ``NAMES``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from graphs.limits import MAX_CLUSTERS, MAX_REACH, check_positive
+from graphs.topology.arc_set import Topology
+
+__all__ = ["full", "causal", "chain", "window", "star", "root", "clusters", "segments", "NAMES"]
+
+
+def _check_flag(name: str, value) -> None:
+    # a string such as 'yes' or 'False' is truthy: refused, not read as True
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False (a bool), got {value!r}")
+
+
+def _positions(size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column indices ``[size, 1]`` and ``[1, size]`` of a ``[size, size]`` mask."""
+    pos = torch.arange(size)
+    return pos[:, None], pos[None, :]
+
+
+def _offsets(n: int) -> torch.Tensor:
+    """``offsets[i, j] = j - i``: head position relative to the dependent."""
+    pos = torch.arange(n)
+    return pos[None, :] - pos[:, None]
+
+
+def full() -> Topology:
+    """Every token may choose every other token (the PT / BERT encoder)."""
+    return _as_text(Topology("full()", (), lambda n: torch.ones(n, n, dtype=torch.bool), (math.inf, math.inf)))
+
+
+def causal() -> Topology:
+    """Token i may choose only earlier tokens j < i (a decoder). Token 0 has no head."""
+    return _as_text(Topology("causal()", (), lambda n: _offsets(n) < 0, (math.inf, 0)))
+
+
+def chain() -> Topology:
+    """Token i may choose only its left neighbour i - 1 (a linear chain: with a
+    ``graphs.factors.Pairwise`` on it, the linear-chain CRF). Token 0 has no head."""
+    return _as_text(Topology("chain()", (), lambda n: _offsets(n) == -1, (1, 0)))
+
+
+def window(w: int) -> Topology:
+    """Token i may choose tokens j with 0 < |i - j| <= w (local attention, no wrap-around)."""
+    w = check_positive("window width w", w, MAX_REACH)
+    return _as_text(Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w, (w, w)))
+
+
+def star(wrap: bool = False) -> Topology:
+    """Star-Transformer: a relay node joined both ways to every token, plus a ring.
+
+    The ring joins each token to its neighbours i - 1 and i + 1; with ``wrap=True``
+    the first and last tokens are neighbours too (a closed ring).
+    """
+    _check_flag("star(wrap=...)", wrap)
+
+    def build(n: int) -> torch.Tensor:
+        i, j = _positions(n + 1)
+        tokens = (i < n) & (j < n)
+        ring = tokens & ((j - i).abs() == 1)
+        if wrap:  # first <-> last (for n <= 2 these are neighbours or self-arcs already)
+            ring = ring | (tokens & ((j - i).abs() == n - 1))
+        return ring | ((i < n) & (j == n)) | ((i == n) & (j < n))  # tokens <-> relay
+
+    return _as_text(Topology(f"star(wrap={wrap})", ("relay",), build, None if wrap else (1, 1)))
+
+
+def root() -> Topology:
+    """A ROOT node (PT's sentence-classification variant): every token may choose it as
+    head; ROOT chooses none. Compose it with a token topology, e.g. ``full() | root()``."""
+
+    def build(n: int) -> torch.Tensor:
+        i, j = _positions(n + 1)
+        return (i < n) & (j == n)
+
+    return _as_text(Topology("root()", ("root",), build, (0, 0)))
+
+
+def clusters(k: int, dynamic: bool = False) -> Topology:
+    """SwarmFormer: k cluster nodes that talk among themselves and broadcast back.
+
+    Contiguous (default): token i belongs to cluster floor(i * k / n) (sizes differ by at
+    most one, any n); a token may choose its own cluster as head and a cluster any of its
+    members. In a padded batch (``arcs(mask)``) n is each sentence's real length and i
+    counts its real tokens, so padding never moves a token to another cluster.
+    ``dynamic=True``: every token may choose any cluster and every cluster any token, so
+    the head posterior of a token over the cluster nodes *is* its routing
+    distribution (``probformer.SwarmFormer``'s Gumbel-softmax routing reads it as a sample).
+    Clusters may always choose each other. Tokens do not see each other: compose with
+    ``window`` for local token-token arcs.
+    """
+    k = check_positive("number of clusters k", k, MAX_CLUSTERS)
+    _check_flag("clusters(dynamic=...)", dynamic)
+
+    def belongs(mask: torch.Tensor) -> torch.Tensor:
+        """``[B, n, k]``: token i's cluster (real tokens only)."""
+        batch, n = mask.shape
+        if dynamic:
+            return mask[:, :, None].expand(batch, n, k)
+        # contiguous over the real tokens: the r-th of L real tokens joins floor(r k / L)
+        length = mask.sum(1, keepdim=True).clamp(min=1)
+        rank = (mask.long().cumsum(1) - 1).clamp(min=0)
+        member = torch.div(rank * k, length, rounding_mode="floor")
+        return (member[:, :, None] == torch.arange(k, device=mask.device)) & mask[:, :, None]
+
+    def build_rows(mask: torch.Tensor) -> torch.Tensor:
+        batch, n = mask.shape
+        member = belongs(mask)
+        tokens = torch.cat([member.new_zeros(batch, n, n), member], 2)  # token -> its cluster
+        nodes = torch.cat([member.transpose(1, 2), member.new_ones(batch, k, k)], 2)  # cluster -> members, clusters
+        return torch.cat([tokens, nodes], 1)
+
+    def build(n: int) -> torch.Tensor:
+        return build_rows(torch.ones(1, n, dtype=torch.bool))[0]
+
+    def build_border(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        member = belongs(mask)
+        others = ~torch.eye(k, dtype=torch.bool, device=mask.device)  # clusters choose each other, not themselves
+        return member, torch.cat([member.transpose(1, 2), others.expand(mask.shape[0], k, k)], 2)
+
+    name = f"clusters({k}, dynamic=True)" if dynamic else f"clusters({k})"
+    virtual = tuple(f"cluster{c}" for c in range(k))
+    return _as_text(Topology(name, virtual, build, (0, 0), build_rows=build_rows, build_border=build_border))
+
+
+def segments(length: int, causal: bool = False) -> Topology:
+    """Folded context: segments of ``length`` tokens; a token may choose heads in its own
+    segment or in the previous one (the condensed memory it folds in). With
+    ``causal=True`` a token sees only earlier tokens of its own segment (a language model).
+
+    Arcs never point into a later segment, so segment s's labels depend on segment s - 1
+    and not the reverse: ``inference.Folded`` runs mean field segment by segment with
+    segment s - 1's final posteriors as fixed messages (assumed-density filtering), in
+    memory bounded by ``length``. ``segment_length`` on the topology records ``length``.
+    """
+    length = check_positive("segment length l", length, MAX_REACH)
+    _check_flag("segments(causal=...)", causal)
+
+    def build(n: int) -> torch.Tensor:
+        seg = torch.arange(n) // length
+        gap = seg[:, None] - seg[None, :]  # dependent's segment minus head's segment
+        same = (gap == 0) & (_offsets(n) < 0) if causal else gap == 0
+        return same | (gap == 1)
+
+    name = f"segments({length}, causal=True)" if causal else f"segments({length})"
+    return _as_text(Topology(name, (), build, segment_length=length))
+
+
+def _as_text(topology: Topology) -> Topology:
+    """A built-in topology is stored as its constructor text (``parse`` reads it back)."""
+    return replace(topology, data={"text": topology.name})
+
+
+NAMES: dict[str, Callable[..., Topology]] = {
+    "full": full,
+    "causal": causal,
+    "chain": chain,
+    "window": window,
+    "star": star,
+    "clusters": clusters,
+    "segments": segments,
+    "root": root,
+}
