@@ -6,7 +6,9 @@ log-evidence grows by ``log sum_i W_i exp(inc_i)`` with W the normalised weights
 before the step (so it stays unbiased across resampling); then every filter whose
 ESS / N falls below ``ess_threshold`` resamples (its weights become uniform).
 
-Resamplers and relaxations: ``inference.smc.resamplers``.
+A step reads as the algorithm: move (the model's step), weigh, decide, resample
+(``SMC._run``). The log-weights a run carries and its per-step records:
+``inference.smc.filter_state``; resamplers and relaxations: ``inference.smc.resamplers``.
 
 Two ways in:
     smc.filter(init, step, num_steps, batch_size=B)   plain tensor callables
@@ -17,17 +19,16 @@ Two ways in:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from inference.smc.filter_state import LogWeights, Trace, Weighed
 from inference.smc.pyro_state_space import state_space_callables
 from inference.smc.resamplers import (
     RELAXATIONS,
     RESAMPLERS,
-    SystematicResampler,
     gather,
     mix,
     relaxed_mixing,
@@ -44,8 +45,6 @@ MAX_PARTICLES_PER_STEP = 2**31  # B * N particles of one step
 MAX_STEPS = 2**31  # T: a loop in Python, one step at a time
 TEMPERATURES = (1e-6, 1e6)  # tau: scores / tau stays finite in float32 for scores up to ~1e32
 
-LOG2_E = 1.0 / math.log(2.0)
-
 
 @dataclass
 class SMCResult:
@@ -55,49 +54,6 @@ class SMCResult:
     ess: torch.Tensor  # [T, B] before resampling
     ancestors: torch.Tensor | None  # [T, B, N]; identity where no resampling happened; None unrecorded
     resampled: torch.Tensor  # [T, B] bool
-
-
-# the three ways log-weights go bad, in the order they are reported
-_BAD_WEIGHTS = (
-    "log-weights contain NaN (a NaN increment, or +inf on a particle of weight 0)",
-    "log-weights contain +inf",
-    "every particle has zero weight (all log-weights -inf)",
-)
-
-
-def _first_bad(row_maxima: torch.Tensor, lowest: float) -> torch.Tensor:
-    """``[3, B]``: the first step where each filter's log-weights went NaN, +inf or all zero
-    weight (``T`` if never), read off the row maxima ``[T, B]`` of the new log-weights of
-    every step (amax propagates NaN) once after the run. Zero weight is -inf or, carried
-    inside the loop, the lowest finite number (plus any increment short of overflow)."""
-    T, B = row_maxima.shape
-    if T == 0:
-        return torch.zeros(3, B, device=row_maxima.device, dtype=torch.long)
-    bad = torch.stack([row_maxima.isnan(), row_maxima == math.inf, row_maxima <= lowest / 2])  # [3, T, B]
-    steps = torch.arange(T, device=row_maxima.device)[:, None]
-    return torch.where(bad, steps, T).amin(1)
-
-
-def _limits(dtype: torch.dtype) -> tuple[float, float, float]:
-    """``(lowest, flush, flushed)``. Zero weight is carried as the lowest finite number inside
-    the loop, so that a row is reset to uniform by arithmetic (0 * -inf would be NaN); it is
-    reported as -inf. Relative weights below sqrt(smallest normal number) (log: ``flush``)
-    are flushed to exactly 0: they are far below what a sum or a cumulative sum against the
-    largest (1) can resolve, and exp() of numbers whose exp is subnormal, or -inf, runs ~50x
-    slower on CPUs (degenerate weights are full of them): exp of the value clamped at
-    ``flush``, then 0 at or below ``flushed`` (just above exp(flush) in any rounding)."""
-    info = torch.finfo(dtype)
-    flush = math.log(info.tiny) / 2
-    return info.min, flush, math.exp(flush) * 1.001
-
-
-def _raise_bad_weights(first_bad: torch.Tensor, never: int) -> None:
-    """One host read at the end of a run: the first step and filters where weights went bad."""
-    steps = first_bad.amin(-1).tolist()
-    for kind, step in zip(_BAD_WEIGHTS, steps):
-        if step < never:
-            filters = (first_bad[_BAD_WEIGHTS.index(kind)] < never).nonzero().flatten().tolist()
-            raise ValueError(f"{kind}: first at step {step}, in filters {filters}")
 
 
 def _first_tensor(particles, where: str) -> torch.Tensor:
@@ -112,17 +68,6 @@ def _first_tensor(particles, where: str) -> torch.Tensor:
         if not isinstance(value, torch.Tensor) or value.dim() < 2:
             raise TypeError(f"{where}: state[{key!r}] must be a tensor [B, N, ...], got {type(value).__name__}")
     return next(iter(particles.values()))
-
-
-def _columns(per_step: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Views ``[B, 1]`` of the rows of a per-step record ``[T, B]``."""
-    return per_step.unsqueeze(2).unbind(0)
-
-
-def _value(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor without its autograd history; itself when it has none (detach is a
-    dispatch, a few microseconds, on every call)."""
-    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def _is_real(value) -> bool:
@@ -219,158 +164,77 @@ class SMC:
             )
 
     def _run(self, init: Callable, step: Callable, num_steps: int, batch_size: int) -> SMCResult:
-        N = self.num_particles
-        particles = init(batch_size)
-        first = _first_tensor(particles, "init")
-        B, device = first.shape[0], first.device
-        dtype = first.dtype if first.dtype.is_floating_point else torch.get_default_dtype()
-        if first.shape[1] != N:
-            raise ValueError(f"init must return particles [B, N={N}, ...], got {tuple(first.shape)}")
-        # unnormalised log-weights (the largest 0, or all 0) and their log-normaliser: the
-        # normalisation is carried per filter ([B]), not applied to [B, N] every step
-        log_weights = torch.zeros(B, N, device=device, dtype=dtype)
-        log_n = math.log(N)
-        # log Z = sum_t (top_t + log_total_t - log_norm_{t-1}), with log_norm_{-1} = log N and
-        # log_norm_t = log N where step t resampled, else log_total_t: the logs and the choice
-        # taken after the run, for all steps at once (two operators per step fewer)
-        totals = []
+        """Every step: move (the model's transition, with its incremental weights), weigh,
+        decide (ESS against the threshold), resample."""
+        N, particles = self.num_particles, init(batch_size)
+        B, device, dtype = _check_init(particles, N)
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
-        always = torch.ones(B, 1, device=device, dtype=dtype) if self.ess_threshold >= 1 else None
-        ess_all = torch.empty(num_steps, B, device=device, dtype=dtype)
-        # per step [B, 1], 1.0 where the filter resamples, else 0.0 (a number: the resampler and the
-        # next step's weights take it as a factor, with no conversion per step; fresh tensors:
-        # autograd saves them, and a write into a view of one [T, B] buffer would bump the version
-        # they were saved at); stacked after the run
-        resampled_steps = []
-        # written in place step by step (no stack of T tensors at the end); never resampling,
-        # every step's ancestors are the identity: a view, no memory
-        record = resampling and self.record_ancestors
-        ancestors_all = torch.empty(num_steps, B, N, device=device, dtype=torch.long) if record else None
-        # bad weights are read off the row maxima after the loop (one host read per run, none
-        # per step); a bad filter continues on finite weights meanwhile (NaN -> 0), so nothing
-        # downstream (the resamplers) sees a NaN, and its evidence is NaN
-        row_maxima = torch.empty(num_steps, B, device=device, dtype=dtype)
-        lowest, flush, flushed = _limits(dtype)
-        threshold = self.ess_threshold * N
+        ancestors = ("record" if self.record_ancestors else "reuse") if resampling else None
+        trace = Trace(num_steps, B, N, device, dtype, ancestors)
         systematic = self.relaxation is None and self.resample == "systematic" and resampling
-
-        def workspace(dtype):
-            """Without autograd a step works in place on buffers of the run (the log-weights, the
-            weights, the resampler's): nothing allocated, a working set that stays in cache. The
-            resampler scales the weights in place: they are not read after it."""
-            weights = torch.empty(B, N, device=device, dtype=dtype)
-            return weights, SystematicResampler(B, N, device, dtype, weights, row_sums=True) if systematic else None
-
-        weights_buffer, resampler = workspace(dtype)
-        # one view per step, taken once (indexing in the loop costs a Python call per step);
-        # per-filter values are columns [B, 1] in the loop: they broadcast against [B, N] with
-        # no unsqueeze per use
-        maxima_rows, ess_rows = _columns(row_maxima), _columns(ess_all)
-        if record:
-            ancestor_rows = ancestors_all.unbind(0)
-        elif resampling:  # every step writes the same buffer (gather copies what autograd saves)
-            ancestor_rows = (torch.empty(B, N, device=device, dtype=torch.long),) * num_steps
-        else:
-            ancestor_rows = None
-        # [B, 1]: 0 where the last step resampled (its log-weights restart at 0), else 1; applied
-        # with the next increment, in the same pass
-        keep = None
+        log_weights = LogWeights(B, N, device, dtype, systematic)
+        always = torch.ones(B, 1, device=device, dtype=dtype) if self.ess_threshold >= 1 else None
         for t in range(num_steps):
-            particles, increment = step(t, particles)
-            if increment.shape != (B, N):
-                raise ValueError(
-                    f"step must return log-incremental weights [B, N] = {(B, N)}, got {tuple(increment.shape)}"
-                )
-            in_place = not (log_weights.requires_grad or increment.requires_grad) and increment.dtype == dtype
-            if keep is None:
-                joint = log_weights.add_(increment) if in_place else log_weights + increment
-            else:
-                joint = torch.addcmul(increment, log_weights, keep, out=log_weights if in_place else None)
-            if joint.dtype != dtype:  # the increments promote the weights (float64 ones, float32 particles)
-                dtype = joint.dtype
-                row_maxima, ess_all = row_maxima.to(dtype), ess_all.to(dtype)
-                maxima_rows, ess_rows = _columns(row_maxima), _columns(ess_all)
-                lowest, flush, flushed = _limits(dtype)
-                weights_buffer, resampler = workspace(dtype)
-            top = torch.amax(_value(joint), -1, keepdim=True, out=maxima_rows[t])
-            relative = joint.sub_(top).nan_to_num_(0.0, 0.0, lowest)  # the largest is 0
-            # one exp per step gives log sum_i W_i exp(inc_i) (W normalised), the new weights and the
-            # ESS; taken as 2 ** (x log2 e): on CPUs exp2 runs several times faster than exp
-            # (docs/benchmarks.md), the multiplication is cheap, and the rounding of x log2 e moves
-            # a weight by at most |x| eps relative (x >= flush)
-            if in_place:
-                unnormalised = torch.clamp_min(relative, flush, out=weights_buffer).mul_(LOG2_E).exp2_()
-                torch.threshold_(unnormalised, flushed, 0.0)
-            else:
-                unnormalised = torch.threshold(relative.clamp_min(flush).mul(LOG2_E).exp2(), flushed, 0.0)
-            total = unnormalised.sum(-1, keepdim=True)
-            totals.append(total)
-            weights, total_value = _value(unnormalised), _value(total)
-            norm = torch.linalg.vector_norm(weights, dim=-1, keepdim=True)
-            ess = torch.div(total_value, norm, out=ess_rows[t]).square_()
+            particles, increment = _move(step, t, particles, (B, N))
+            weighed = log_weights.weigh(increment, trace, t)
             if not resampling:
-                log_weights = relative
                 continue
-            if always is None:
-                chosen = torch.lt(ess, threshold, out=torch.empty(B, 1, device=device, dtype=dtype))
-            else:
-                chosen = always
-            resampled_steps.append(chosen)
-            if resampler is not None:
-                ancestors = resampler(weights, total_value, chosen, self.generator, out=ancestor_rows[t])
-                particles = gather(particles, ancestors)  # the identity rows gather themselves
-            else:
-                particles = self._resample(
-                    particles, relative, total.log(), weights, total, chosen.bool(), ancestor_rows[t]
-                )
-            # all 0 where resampled (relative is finite), else relative: applied next step
-            keep = torch.rsub(chosen, 1)
-            log_weights = relative
-        resampled_all = torch.zeros(num_steps, B, device=device, dtype=torch.bool)
-        if resampled_steps:
-            resampled_all = torch.stack(resampled_steps).squeeze(2).bool()
-        first_bad = _first_bad(row_maxima, lowest)
-        never = num_steps
-        if self.validate:
-            _raise_bad_weights(first_bad, never)
-        # unvalidated: a filter whose weights went bad reports log-evidence NaN, never a number
-        log_evidence = torch.zeros(B, device=device, dtype=dtype)
-        normaliser = log_n  # [B, 1] or a number: log_norm of the last step
-        if num_steps:
-            log_totals = torch.stack(totals).log()  # [T, B, 1]
-            log_norms = torch.where(resampled_all[..., None], log_n, log_totals) if resampling else log_totals
-            normaliser = log_norms[-1]
-            log_evidence = row_maxima.sum(0) + log_totals.sum(0).squeeze(1) - log_n
-            log_evidence = log_evidence - log_norms[:-1].sum(0).squeeze(1)
-        log_evidence = torch.where(first_bad.amin(0) < never, math.nan, log_evidence)
-        # the last step's keep applied and the log-normaliser ([B, 1] after a step that could
-        # resample) taken off in one pass (fresh: the result does not share the run's buffer);
-        # zero weight (the lowest number) becomes -inf
-        if keep is None:
-            log_weights = log_weights - normaliser
-        else:
-            log_weights = torch.addcmul(normaliser.neg(), log_weights, keep)
-        log_weights = torch.threshold_(log_weights, lowest / 2, -math.inf)
+            chosen = self._decide(weighed.ess, always)
+            trace.choices.append(chosen)
+            particles = self._resample(particles, weighed, chosen, log_weights.resampler, trace.ancestor_rows[t])
+            log_weights.restart(chosen)
+        resampled = trace.resampled()
+        log_evidence, normaliser = trace.log_evidence(resampled, self.validate)
         return SMCResult(
             log_evidence=log_evidence,
-            log_weights=log_weights,
+            log_weights=log_weights.normalised(normaliser),
             particles=particles,
-            ess=ess_all,
-            ancestors=ancestors_all if resampling else torch.arange(N, device=device).expand(num_steps, B, N),
-            resampled=resampled_all,
+            ess=trace.ess,
+            ancestors=trace.ancestors,
+            resampled=resampled,
         )
 
-    def _resample(self, particles, relative, log_total, unnormalised, total, resampled, ancestors_out):
-        """The new particles; the ancestors (identity in filters that do not resample) are
-        written into ``ancestors_out``. Per-filter values (``log_total``, ``total``,
-        ``resampled``) are columns [B, 1]."""
-        B, N = unnormalised.shape
-        identity = torch.arange(N, device=unnormalised.device).expand(B, N)
+    def _decide(self, ess: torch.Tensor, always: torch.Tensor | None) -> torch.Tensor:
+        """``[B, 1]``: 1.0 where a filter resamples (ESS / N below ``ess_threshold``; ``always``
+        at a threshold of 1), else 0.0."""
+        if always is not None:
+            return always
+        threshold = self.ess_threshold * self.num_particles
+        return torch.lt(ess, threshold, out=torch.empty(ess.shape, device=ess.device, dtype=ess.dtype))
+
+    def _resample(self, particles, weighed: Weighed, chosen: torch.Tensor, resampler, ancestors_out):
+        """The new particles of the filters that resample (``chosen`` 1.0, ``[B, 1]``), the others
+        as they were; the ancestors (the identity in filters that do not resample) are written
+        into ``ancestors_out``. ``resampler``: the run's ``SystematicResampler``, or None."""
+        if resampler is not None:
+            ancestors = resampler(weighed.weights, weighed.total_value, chosen, self.generator, out=ancestors_out)
+            return gather(particles, ancestors)  # the identity rows gather themselves
+        resampled = chosen.bool()
+        B, N = weighed.weights.shape
+        identity = torch.arange(N, device=weighed.weights.device).expand(B, N)
         if self.relaxation is None:
-            drawn = resample_indices(unnormalised / total.detach(), self.resample, self.generator)
+            drawn = resample_indices(weighed.weights / weighed.total.detach(), self.resample, self.generator)
             ancestors = torch.where(resampled, drawn, identity, out=ancestors_out)
             return gather(particles, ancestors)
-        log_weights = relative - log_total
+        log_weights = weighed.relative - weighed.total.log()
         mixing, hard_choice = relaxed_mixing(log_weights, self.relaxation, self.temperature, self.generator)
         torch.where(resampled, hard_choice, identity, out=ancestors_out)
         return select(resampled, mix(particles, mixing), particles)
+
+
+def _check_init(particles, num_particles: int) -> tuple[int, torch.device, torch.dtype]:
+    """``(B, device, dtype)`` of the particles ``init`` returned (``[B, N, ...]``); the weights'
+    dtype is the particles' if floating point, else the default."""
+    first = _first_tensor(particles, "init")
+    if first.shape[1] != num_particles:
+        raise ValueError(f"init must return particles [B, N={num_particles}, ...], got {tuple(first.shape)}")
+    dtype = first.dtype if first.dtype.is_floating_point else torch.get_default_dtype()
+    return first.shape[0], first.device, dtype
+
+
+def _move(step: Callable, t: int, particles, shape: tuple[int, int]):
+    """The model's step ``t``: the particles moved, and their incremental log-weights ``[B, N]``."""
+    particles, increment = step(t, particles)
+    if increment.shape != shape:
+        raise ValueError(f"step must return log-incremental weights [B, N] = {shape}, got {tuple(increment.shape)}")
+    return particles, increment
