@@ -15,6 +15,8 @@ globals). Each step
 4. moves every particle with ``sweeps`` batched Gibbs sweeps at the new beta
    (``inference.smc.gibbs_moves``), which leave p_beta invariant.
 
+The particle systems and the parts of a step: ``inference.smc.tempering``.
+
 Along a fixed schedule Z-hat of one system is unbiased for Z; a schedule each system picks
 from its own particles biases it low by O(1/P). So by default a pilot run (one adaptive
 system per sentence) picks each sentence's schedule, and ``replicates`` independent systems
@@ -36,8 +38,9 @@ import torch
 
 from inference.posterior import Posterior
 from inference.smc import collapsed_weights, gibbs_moves
-from inference.smc.resamplers import RESAMPLERS, resample_indices
+from inference.smc.resamplers import RESAMPLERS
 from inference.smc.tempered_target import TemperedTarget, compile_target
+from inference.smc.tempering import Systems
 
 __all__ = ["TemperedSMC", "TemperedSMCResult"]
 
@@ -207,64 +210,37 @@ class TemperedSMC:
     def _temper(self, target: TemperedTarget, generator, schedule: torch.Tensor | None = None) -> _Run:
         """The tempering loop on every system of ``target``, weighing the labels alone
         (``collapsed_weights``): adaptive, or along ``schedule`` ``[T, S]`` (the beta of each
-        system after each step; the head terms of a step's weights then come from one pass)."""
-        P = self.num_particles
-        z = target.sample_proposal(P, generator, labels_only=True)
-        log_q, potential = collapsed_weights.label_terms(target, z)
-        S = z.shape[0]
-        beta, one = log_q.new_zeros(S), log_q.new_ones(S)
+        system after each step; the head terms of a step's weights then come from one pass).
+        Each step: the next beta, reweigh, resample, move (``inference.smc.tempering``)."""
         adaptive = schedule is None
-        heads, slope_h, _ = collapsed_weights.head_pass(target, z, [beta, one], derivative=0 if adaptive else None)
-        glob, slope_g, _ = collapsed_weights.global_pass(target, z, [beta, one], derivative=0 if adaptive else None)
-        log_current = log_q + heads[0] + glob[0]
-        initial_log_ratio = potential + heads[1] + glob[1] - log_q  # log p(z) / q_z(z) up to log Z
-        if not torch.isfinite(initial_log_ratio).all():
-            raise ValueError("non-finite importance weights log(p/q) at the proposal's draws: check the proposal")
-        slope = potential - log_q + slope_h + slope_g if adaptive else None
-        log_w, log_z = log_q.new_full((S, P), -math.log(P)), log_q.new_zeros(S)
-        betas, esses, pending = [beta], [], None
-        identity = torch.arange(P, device=z.device).expand(S, P)
+        systems, initial_log_ratio = Systems.start(target, self.num_particles, generator, adaptive)
+        betas, esses = [systems.beta], []
         steps = self.max_steps if adaptive else schedule.shape[0]
         step = 0
         while step < steps:
-            if adaptive:
-                remaining = 1.0 - beta
-                delta = self._increment(log_w, slope, remaining, last=step == steps - 1)
-                new_beta = torch.where(delta >= remaining, 1.0, beta + delta)
-            else:
-                new_beta = schedule[step]
-            if pending is None:  # the next beta's head terms and draws (a fixed schedule has them)
-                pending = collapsed_weights.terms_at(target, z, new_beta, generator)
-            heads_next, glob_next, h, g = pending
-            log_next = torch.lerp(log_q, potential, new_beta[:, None]) + heads_next + glob_next
-            weighted = log_w + (log_next - log_current)
-            total = weighted.logsumexp(-1)
-            log_z, log_w = log_z + total, weighted - total[:, None]
-            beta = new_beta
-            ess = torch.reciprocal((2 * log_w).exp().sum(-1))
-            betas.append(beta)
+            ess = systems.reweigh(target, self._next_beta(systems, schedule, step, steps), generator)
+            betas.append(systems.beta)
             esses.append(ess)
-            resampled = ess < self.resample_threshold * P
-            ancestors = resample_indices(log_w.exp(), self.resample, generator)
-            ancestors = torch.where(resampled[:, None], ancestors, identity)
-            z, h = _gather(z, ancestors), _gather(h, ancestors)
-            g = None if g is None else _gather(g, ancestors)
-            log_w = torch.where(resampled[:, None], -math.log(P), log_w)
-            z = gibbs_moves.update_labels(target, z, h, g, beta, self.rounds, generator)
-            for _ in range(self.sweeps - 1):
-                z, h, g = gibbs_moves.sweep(target, z, h, g, beta, self.rounds, generator)
+            systems.resample(ess, self.resample_threshold * self.num_particles, self.resample, generator)
+            systems.move(target, self.rounds, self.sweeps, generator)
             step += 1
-            log_q, potential = collapsed_weights.label_terms(target, z)
             following = None if adaptive or step == steps else schedule[step]
-            if adaptive or following is not None:  # this beta's terms at the moved labels (and the next's)
-                current, pending, slope = collapsed_weights.current_terms(target, z, beta, following, generator)
-                slope = None if slope is None else potential - log_q + slope
-                log_current = torch.lerp(log_q, potential, beta[:, None]) + current
-            if adaptive and step % self.check_every == 0 and bool((beta >= 1).all()):  # the one device read
+            systems.rescore(target, adaptive, following, generator)
+            if adaptive and step % self.check_every == 0 and bool((systems.beta >= 1).all()):  # the one device read
                 break
-        if not torch.isfinite(log_z).all() or not torch.isfinite(log_w).all():
+        if not torch.isfinite(systems.log_z).all() or not torch.isfinite(systems.log_w).all():
             raise ValueError("non-finite importance weights during tempering: the potentials or the proposal overflow")
-        return _Run(z, h, g, log_z, log_w, initial_log_ratio, torch.stack(betas), torch.stack(esses), step)
+        stacked = torch.stack(betas), torch.stack(esses)
+        return _Run(systems.z, systems.h, systems.g, systems.log_z, systems.log_w, initial_log_ratio, *stacked, step)
+
+    def _next_beta(self, systems: Systems, schedule: torch.Tensor | None, step: int, steps: int) -> torch.Tensor:
+        """``[S]``: the schedule's beta after ``step``, or (adaptive) the current beta plus the
+        increment that keeps the conditional ESS at ``target_ess`` (1 on the last step)."""
+        if schedule is not None:
+            return schedule[step]
+        remaining = 1.0 - systems.beta
+        delta = self._increment(systems.log_w, systems.slope, remaining, last=step == steps - 1)
+        return torch.where(delta >= remaining, 1.0, systems.beta + delta)
 
     def _increment(self, log_w, log_ratio, remaining, last: bool) -> torch.Tensor:
         """``[S]`` the largest delta in [0, remaining] that keeps the conditional ESS >=
@@ -365,12 +341,6 @@ def _check_compilable(crf) -> None:
                 f"TemperedSMC cannot compile factor {factor.name!r} ({factor.template}): it has no "
                 f"log_potential(z, tokens, mask); implement it"
             )
-
-
-def _gather(x: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """Particles ``[S, P, ...]`` at ``ancestors [S, P]``."""
-    index = ancestors.reshape(*ancestors.shape, *([1] * (x.dim() - 2))).expand(*ancestors.shape, *x.shape[2:])
-    return x.gather(1, index)
 
 
 def _head_marginals(target: TemperedTarget, z, weights) -> torch.Tensor:
