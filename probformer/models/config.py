@@ -155,7 +155,7 @@ class ConfigMixin(metaclass=_AliasedConstructor):
         for f in fields(self):
             value, hint = getattr(self, f.name), hints[f.name]
             if not _matches(value, hint):
-                raise ValueError(
+                raise TypeError(
                     f"config key {f.name!r} must be of type {_describe(hint)}, got {type(value).__name__} {value!r}"
                 )
 
@@ -219,13 +219,16 @@ class ConfigMixin(metaclass=_AliasedConstructor):
     def check_integers(self, minimums: dict[str, int]) -> None:
         for name, minimum in minimums.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if isinstance(value, bool) or not isinstance(value, int):
+                kind = type(value).__name__
+                raise TypeError(f"config key {name!r} must be an integer >= {minimum}, got {kind} {value!r}")
+            if value < minimum:
                 raise ValueError(f"config key {name!r} must be an integer >= {minimum}, got {value!r}")
 
     def check_flags(self, *names: str) -> None:
         for name in names:
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
+                raise TypeError(f"config key {name!r} must be true or false, got {getattr(self, name)!r}")
 
     def check_dropout(self) -> None:
         if not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
@@ -282,7 +285,7 @@ class ConfigMixin(metaclass=_AliasedConstructor):
         Takes the class's aliases (``hidden_size``, ...) for their canonical keys."""
         prefix = f"{section}." if section else ""
         if not isinstance(values, dict):
-            raise ValueError(f"config section {section or '(top)'!r} must be a table, got {values!r}")
+            raise TypeError(f"config section {section or '(top)'!r} must be a table, got {values!r}")
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(values) - set(known) - set(_aliases(cls)))
         if unknown:
@@ -297,7 +300,7 @@ class ConfigMixin(metaclass=_AliasedConstructor):
         for name, value in values.items():  # named as the file has it (an alias or not)
             hint = hints[aliases.get(name, name)]
             if not _matches(value, hint):
-                raise ValueError(
+                raise TypeError(
                     f"config key {prefix + name!r} must be of type {_describe(hint)}, "
                     f"got {type(value).__name__} {value!r}"
                 )

@@ -139,14 +139,16 @@ def _check_distance_buckets(gamma) -> None:
             graphs.crf.distance_cuts(gamma)
         except ValueError as error:
             raise ValueError(f"config key 'gamma': {error}") from None
-    elif isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+    elif isinstance(gamma, bool) or not isinstance(gamma, int):
+        raise TypeError(f"config key 'gamma' must be an integer >= 0 or a list of cut points, got {gamma!r}")
+    elif gamma < 0:
         raise ValueError(f"config key 'gamma' must be an integer >= 0 or a list of cut points, got {gamma!r}")
 
 
 def _check_pairwise(text) -> None:
     """pairwise: "" or the text of a built-in topology without virtual nodes."""
     if not isinstance(text, str):
-        raise ValueError(f"config key 'pairwise' must be a topology's text (e.g. 'chain()') or '', got {text!r}")
+        raise TypeError(f"config key 'pairwise' must be a topology's text (e.g. 'chain()') or '', got {text!r}")
     if text:
         try:
             topology = graphs.topology.parse(text)

@@ -69,8 +69,9 @@ _TRAIN_REALS = {"lr": (0.0, 10.0, False), "weight_decay": (0.0, 10.0, True), "cl
 def _check_integer_ranges(config, section: str, ranges: dict[str, tuple[int, int]]) -> None:
     for name, (low, high) in ranges.items():
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"config key '{section}.{name}' must be an integer in [{low}, {high:,}], got {value!r}")
+        wrong = TypeError if isinstance(value, bool) or not isinstance(value, int) else ValueError
+        if wrong is TypeError or not low <= value <= high:
+            raise wrong(f"config key '{section}.{name}' must be an integer in [{low}, {high:,}], got {value!r}")
 
 
 def _check_real_ranges(config, section: str, ranges: dict[str, tuple[float, float, bool]]) -> None:
@@ -80,7 +81,8 @@ def _check_real_ranges(config, section: str, ranges: dict[str, tuple[float, floa
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if not number or not math.isfinite(value) or not (low <= value if closed else low < value) or value > high:
             interval = f"{'[' if closed else '('}{low:g}, {high:g}]"
-            raise ValueError(f"config key '{section}.{name}' must be a finite number in {interval}, got {value!r}")
+            wrong = ValueError if number else TypeError
+            raise wrong(f"config key '{section}.{name}' must be a finite number in {interval}, got {value!r}")
 
 
 @dataclass
@@ -208,8 +210,9 @@ def _in_section(section: str, build):
     classes name ``'lr'``, a run config's user wrote ``train.lr``."""
     try:
         return build()
-    except ValueError as error:
-        raise ValueError(re.sub(r"config key '(?![a-z]+\.)(\w+)'", rf"config key '{section}.\1'", str(error))) from None
+    except (ValueError, TypeError) as error:  # the same type, the key named in its table
+        named = re.sub(r"config key '(?![a-z]+\.)(\w+)'", rf"config key '{section}.\1'", str(error))
+        raise type(error)(named) from None
 
 
 def parse_override(assignment: str) -> tuple[list[str], object]:

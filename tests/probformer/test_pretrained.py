@@ -339,7 +339,7 @@ def test_alias_attribute_writes_the_canonical_key_and_foreign_aliases_are_unknow
     assert config.labels == 24 and "hidden_size" not in vars(config)
     with pytest.raises(ValueError, match=r"unknown config keys \['head_dim'\]"):
         TransformerConfig.from_dict({"vocab_size": VOCAB, "head_dim": 4})
-    with pytest.raises(ValueError, match="'hidden_size' must be of type int"):
+    with pytest.raises(TypeError, match="'hidden_size' must be of type int"):
         PTConfig.from_dict({"vocab_size": VOCAB, "hidden_size": "24"})
 
 

@@ -70,11 +70,24 @@ def test_classification_by_root_reads_the_root_node():
         (dict(vocab_size=10, task="tagging"), "'num_classes' must be >= 1"),
         (dict(vocab_size=10, pooling="root", task="classification", num_classes=2), "needs a ROOT node"),
         (dict(vocab_size=10, layers=3), r"unknown config keys \['layers'\]"),
-        (dict(vocab_size=10, iterations=2.0), "'iterations' must be of type int"),
     ],
 )
 def test_config_validation_names_the_key(values, match):
     with pytest.raises(ValueError, match=match):
+        pf.PTConfig.from_dict(values)
+
+
+@pytest.mark.parametrize(
+    "values,match",
+    [
+        (dict(vocab_size=10, iterations=2.0), "'iterations' must be of type int"),
+        (dict(vocab_size="10"), "'vocab_size' must be of type int"),
+        (dict(vocab_size=10, gamma=1.5), "'gamma' must be of type"),
+        (dict(vocab_size=10, pairwise=3), "'pairwise' must be of type"),
+    ],
+)
+def test_a_key_of_the_wrong_type_is_a_type_error_naming_the_key(values, match):
+    with pytest.raises(TypeError, match=match):
         pf.PTConfig.from_dict(values)
 
 
