@@ -36,6 +36,9 @@ Options (each a named constructor argument):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,20 +46,31 @@ from torch import nn
 from inference.mean_field import bound as mean_field_bound
 from inference.mean_field import schedules as mean_field_schedules
 from inference.mean_field.factor_messages import FactorTerms
-from inference.mean_field.halting import HALTING, HALTING_SOURCES
 from inference.mean_field.kernels import choice as kernel_choice
 from inference.mean_field.kernels import head_kernels
 from inference.mean_field.kernels.head_kernels import HeadStructure
 from inference.mean_field.kernels.null_softmax import softmax_with_null
-from inference.mean_field.message_weights import MessageWeights, MupScales, labels_and_heads
+from inference.mean_field.message_weights import MessageWeights, MupScales
+from inference.mean_field.options import KERNELS, SCHEDULES, MeanFieldOptions
 from inference.mean_field.projections import GemmTables, back_project, project
+from inference.mean_field.schedules import Batch, LayerSteps
 from inference.posterior import Posterior
 
-__all__ = ["MeanField", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
+__all__ = ["MeanField", "MeanFieldOptions", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
 
-SCHEDULES = ("async", "parallel", "sequential", "macaron")
-INITIAL_HEAD_LOGITS = ("none", "ones")
-KERNELS = ("auto", "naive", "fused", "flex")
+
+class _Option:
+    """An engine attribute that reads and writes one field of the engine's frozen
+    ``options``: writing replaces the options with a copy holding the new value."""
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else getattr(engine.options, self.name)
+
+    def __set__(self, engine, value):
+        engine.options = dataclasses.replace(engine.options, **{self.name: value})
 
 
 class MeanField(nn.Module):
@@ -88,7 +102,30 @@ class MeanField(nn.Module):
             > 0): "none" (no damping at t = 0: the first update is taken whole) or "ones"
             (the PT reference code's cache, a tensor of ones: logits <- beta + (1 - beta) new,
             i.e. (1 - beta) new up to a constant per row).
+
+    The parsed arguments are ``options``, a frozen ``MeanFieldOptions``: what the schedules,
+    the bound and the kernel choice read (with the CRF and ``training``), never the engine.
+    ``engine.kernel``, ``engine.iterations`` and the other settings read and write it.
     """
+
+    # the constructor's settings, as attributes (read and written through ``options``)
+    iterations = _Option()
+    schedule = _Option()
+    mup = _Option()
+    kernel = _Option()
+    dropout = _Option()
+    damping = _Option()
+    step_size = _Option()
+    weights = _Option()
+    mup_scales = _Option()
+    halting = _Option()
+    halting_source = _Option()
+    act_epsilon = _Option()
+    exit_threshold = _Option()
+    span_max = _Option()
+    span_ramp = _Option()
+    memory_topk = _Option()
+    initial_head_logits = _Option()
 
     def __init__(
         self,
@@ -117,60 +154,35 @@ class MeanField(nn.Module):
             from inference.declaration import compile_templates
 
             compile_templates(crf, "MeanField")
-        if isinstance(iterations, bool) or not isinstance(iterations, int) or not 1 <= iterations <= 10_000:
-            # each iteration is a layer: 10**4 is already far deeper than any model we train
-            raise ValueError(f"iterations must be an integer >= 1 and <= 10000 (the limit), got {iterations!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; allowed: {list(SCHEDULES)}")
-        if kernel not in KERNELS:
-            raise ValueError(f"unknown kernel {kernel!r}; allowed: {list(KERNELS)}")
-        if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
-            raise ValueError(f"dropout must lie in [0, 1), got {dropout!r}")
+        self.options = MeanFieldOptions.parse(
+            crf,
+            iterations=iterations,
+            schedule=schedule,
+            mup=mup,
+            kernel=kernel,
+            dropout=dropout,
+            damping=damping,
+            step_size=step_size,
+            weights=weights,
+            mup_scales=mup_scales,
+            halting=halting,
+            halting_source=halting_source,
+            act_epsilon=act_epsilon,
+            exit_threshold=exit_threshold,
+            span=span,
+            span_max=span_max,
+            span_ramp=span_ramp,
+            memory_topk=memory_topk,
+            initial_head_logits=initial_head_logits,
+        )
         self.crf = crf
-        self.iterations, self.schedule, self.mup, self.kernel = iterations, schedule, bool(mup), kernel
-        self.dropout = float(dropout)
-        self.damping = labels_and_heads("damping", damping, 0.0, 0.999999)
-        self.step_size = labels_and_heads("step_size", step_size, 0.0, 1.0, low_open=True)
-        self.weights = MessageWeights.parse(weights, crf.labels)
-        self.mup_scales = mup_scales or MupScales.reconstruction(crf)
-        if halting not in HALTING or halting_source not in HALTING_SOURCES:
-            raise ValueError(
-                f"halting must be one of {list(HALTING)} and halting_source one of {list(HALTING_SOURCES)}, "
-                f"got {halting!r}, {halting_source!r}"
-            )
-        if not 0 < act_epsilon < 1 or not 0 < exit_threshold <= 1:
-            raise ValueError(
-                f"act_epsilon must lie in (0, 1) and exit_threshold in (0, 1], got {act_epsilon}, {exit_threshold}"
-            )
-        if halting != "none" and schedule == "sequential":
-            raise ValueError("halting needs an unrolled schedule ('async', 'parallel' or 'macaron'), not 'sequential'")
-        if schedule == "macaron" and not crf.global_labels:
-            raise ValueError("schedule 'macaron' alternates global and head updates: the CRF needs global_labels > 0")
-        if span and (span_max < 1 or span_ramp < 1):
-            raise ValueError(f"span_max and span_ramp must be >= 1, got {span_max}, {span_ramp}")
-        if isinstance(memory_topk, bool) or not isinstance(memory_topk, int) or memory_topk < 1:
-            raise ValueError(f"memory_topk must be an integer >= 1, got {memory_topk!r}")
-        self.memory_topk = memory_topk
-        if initial_head_logits not in INITIAL_HEAD_LOGITS:
-            raise ValueError(
-                f"initial_head_logits must be one of {list(INITIAL_HEAD_LOGITS)}, got {initial_head_logits!r}"
-            )
-        self.initial_head_logits = initial_head_logits
-        self.halting, self.halting_source = halting, halting_source
-        self.act_epsilon, self.exit_threshold = float(act_epsilon), float(exit_threshold)
         if halting == "act":  # p_t = sigmoid(w . features + b)
             self.halting_unit = nn.Linear(crf.labels if halting_source == "posterior" else 1, 1)
-        self.span_max, self.span_ramp = span_max, span_ramp
         # the span as a fraction of span_max (an optimiser step moves it by ~lr of the range,
         # as in Sukhbaatar et al.); spans start at the maximum, the span penalty shrinks them
         self.span = nn.Parameter(torch.ones(crf.channels)) if span else None
+        self._score_bound = kernel_choice.ScoreBound()  # the fused kernel's precision reads it
         self.fused_compute_dtype(1.0)  # the score bound, read once now: a compiled graph uses it
-        heads_need_naive = self.damping[1] > 0 or self.step_size[1] < 1 or schedule == "sequential" or span
-        if kernel in ("fused", "flex") and heads_need_naive:
-            raise ValueError(
-                f"kernel={kernel!r} supports no head damping/step size, no sequential schedule and no adaptive span; "
-                "use kernel='naive'"
-            )
 
     def extra_repr(self) -> str:
         return f"iterations={self.iterations}, schedule={self.schedule!r}, mup={self.mup}, kernel={self.kernel!r}"
@@ -179,19 +191,10 @@ class MeanField(nn.Module):
 
     def scales(self) -> dict[str, float]:
         """The effective multiplier of every message (weights times μP factors)."""
-        w, mu = self.weights, self.mup_scales
-        factor = (lambda x: x) if self.mup else (lambda x: 1.0)
-        return {
-            "unary": w.unary,
-            "head": w.head * factor(mu.ternary_message),
-            "dependents": w.dependents * factor(mu.ternary_message),
-            "topic": w.topic * factor(mu.topic_message),
-            "attention": w.attention * factor(mu.attention),
-            "topic_logits": w.topic_logits * factor(mu.topic_logits),
-        }
+        return self.options.scales()
 
     def resolved_kernel(self, num_nodes: int, device: torch.device) -> str:
-        return kernel_choice.resolved_kernel(self, num_nodes, device)
+        return kernel_choice.resolved_kernel(self.options, self.crf, num_nodes, device, self.training)
 
     # ---- building blocks -------------------------------------------------------------
 
@@ -225,14 +228,15 @@ class MeanField(nn.Module):
 
     def spans(self) -> torch.Tensor:
         """``[C]`` the spans z_c in use: span_max times the parameter clamped to [0, 1]."""
-        return self.span_max * self.span.clamp(0, 1)
+        return self.options.span_max * self.span.clamp(0, 1)
 
     def span_prior(self, n: int, num_nodes: int) -> torch.Tensor:
         """``[C, N, N]`` log m(|i - j|) on token arcs, 0 on arcs touching virtual nodes.
         m is floored at 1e-6 so a row never loses every head."""
         position = torch.arange(n, device=self.span.device)
         distance = (position[None, :] - position[:, None]).abs().to(self.span.dtype)
-        soft = ((self.span_ramp + self.spans()[:, None, None] - distance) / self.span_ramp).clamp(1e-6, 1)
+        ramp = self.options.span_ramp
+        soft = ((ramp + self.spans()[:, None, None] - distance) / ramp).clamp(1e-6, 1)
         return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
     def project(self, q_z, tables: GemmTables | None = None):
@@ -255,26 +259,28 @@ class MeanField(nn.Module):
 
     def fused_compute_dtype(self, scale: float) -> torch.dtype | None:
         """float64 where float32 would be inaccurate, else None (``kernel_choice``)."""
-        return kernel_choice.fused_compute_dtype(self, scale)
+        return kernel_choice.fused_compute_dtype(self.crf, self._score_bound, scale)
 
     def heads(self, query, key, value, value_rev, structure, kernel, previous=None, groups=None):
-        return kernel_choice.heads(self, query, key, value, value_rev, structure, kernel, previous, groups)
+        """The head messages through ``kernel`` (``kernel_choice.heads``)."""
+        chosen = (self.options, self.crf, self._score_bound, query, key, value, value_rev, structure, kernel)
+        return kernel_choice.heads(*chosen, training=self.training, previous=previous, groups=groups)
 
     def topic(self, q_z, mask):
         """Global-variable marginals ``[B, n, g]`` and their message to the labels ``[B, N, d]``.
         A product-key memory returns its marginals as ``(probabilities, values)``, each
         ``[B, n, k]``: the k values it kept."""
         n = mask.shape[1]
-        binary = self.crf.binary
+        binary, dropout = self.crf.binary, self.options.dropout
         query = self.scales()["topic_logits"] * q_z[:, :n]
         if self.crf.global_memory == "product_key":
-            probs, index = self.memory_posterior(query, self.memory_topk)
+            probs, index = self.memory_posterior(query, self.options.memory_topk)
             probs = probs * mask[..., None]
-            dropped = F.dropout(probs, self.dropout, self.training) if self.dropout else probs
+            dropped = F.dropout(probs, dropout, self.training) if dropout else probs
             message = (dropped[..., None] * binary[index]).sum(-2)
             return (probs, index), F.pad(message, (0, 0, 0, q_z.shape[1] - n))
         q_g = (query @ binary.T).softmax(-1) * mask[..., None]
-        dropped = F.dropout(q_g, self.dropout, self.training) if self.dropout else q_g
+        dropped = F.dropout(q_g, dropout, self.training) if dropout else q_g
         message = F.pad(dropped @ binary, (0, 0, 0, q_z.shape[1] - n))
         return q_g, message
 
@@ -313,11 +319,11 @@ class MeanField(nn.Module):
     def elbo(self, logits, unary, mask, structure, kernel="naive", terms: FactorTerms | None = None):
         """``[B]`` ELBO of q_z = softmax(logits), heads and globals at their optimum given
         q_z: always <= log Z (``mean_field_bound.elbo``)."""
-        return mean_field_bound.elbo(self, logits, unary, mask, structure, kernel, terms)
+        return mean_field_bound.elbo(self.crf, self._steps(), logits, unary, mask, structure, kernel, terms)
 
     def full_elbo(self, q_z, q_h, q_g, unary, mask, structure, terms: FactorTerms | None = None):
         """``[B]`` ELBO of explicit marginals (``mean_field_bound.full_elbo``)."""
-        return mean_field_bound.full_elbo(self, q_z, q_h, q_g, unary, mask, structure, terms)
+        return mean_field_bound.full_elbo(self.crf, self._steps(), q_z, q_h, q_g, unary, mask, structure, terms)
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -331,7 +337,7 @@ class MeanField(nn.Module):
         factors = getattr(self.crf, "factors", ())
         unary = self.crf.input_table(tokens, mask)  # tokens: the checked token ids or embeddings
         terms = FactorTerms(factors, tokens, mask, structure.nodes.shape[1]) if len(factors) else None
-        if self.schedule == "sequential":
+        if self.options.schedule == "sequential":
             logits, last, history, extra = self._sequential(unary, mask, structure, kernel, terms)
         else:
             logits, last, history, extra = self._unrolled(unary, mask, structure, kernel, confidence, terms=terms)
@@ -367,8 +373,24 @@ class MeanField(nn.Module):
 
     def _unrolled(self, unary, mask, structure, kernel, confidence=None, initial=None, frozen=None, terms=None):
         """async, parallel and macaron schedules (``mean_field_schedules.unrolled``)."""
-        return mean_field_schedules.unrolled(self, unary, mask, structure, kernel, confidence, initial, frozen, terms)
+        tables = self.gemm_tables(structure, kernel)  # once: every iteration's GEMMs read the same tables
+        batch = Batch(unary, mask, structure, kernel, tables, terms, frozen)
+        steps = self._steps()
+        return mean_field_schedules.unrolled(
+            self.options, self.crf, steps, batch, training=self.training, confidence=confidence, initial=initial
+        )
 
     def _sequential(self, unary, mask, structure, kernel, terms=None):
         """Coordinate ascent (``mean_field_bound.sequential``)."""
-        return mean_field_bound.sequential(self, unary, mask, structure, terms)
+        return mean_field_bound.sequential(self.options, self.crf, self._steps(), unary, mask, structure, terms)
+
+    def _steps(self) -> LayerSteps:
+        """This engine's operations of one layer, as the schedules and the bound call them."""
+        return LayerSteps(
+            project=self.project,
+            heads=self.heads,
+            topic=self.topic,
+            label_logits=self.label_logits,
+            log_normaliser=functools.partial(kernel_choice.log_normaliser, self.crf, self._score_bound),
+            halting_unit=getattr(self, "halting_unit", None),
+        )

@@ -15,7 +15,6 @@ import torch
 
 import graphs
 from inference.mean_field import engine as mean_field
-from inference.mean_field.kernels import choice as kernel_choice
 from inference.mean_field.kernels import flex as flex_kernel
 from inference.mean_field.kernels import head_kernels
 from inference.mean_field.kernels.head_kernels import HeadStructure
@@ -114,9 +113,9 @@ def test_the_engine_under_autocast_matches_float32():
     N = structure.nodes.shape[1]
     projections = [(5.0 * torch.randn(2, N, crf.num_groups, 2, 4)).bfloat16().float() for _ in range(2)]
     for kernel in ("naive", "fused"):
-        plain = kernel_choice.heads(engine, *projections, *projections[::-1], structure, kernel)
+        plain = engine.heads(*projections, *projections[::-1], structure, kernel)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            cast = kernel_choice.heads(engine, *projections, *projections[::-1], structure, kernel)
+            cast = engine.heads(*projections, *projections[::-1], structure, kernel)
         for a, b in ((cast.forward, plain.forward), (cast.reverse, plain.reverse), (cast.lse, plain.lse)):
             assert a.dtype == torch.float32
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -1,8 +1,10 @@
 """Which head kernel a ``MeanField`` runs, in which precision, and the call itself.
 
-``MeanField.resolved_kernel``, ``fused_compute_dtype`` and ``heads`` delegate here; the
-engine keeps the maths of mean field, this module the choice between kernels that compute
-the same messages (``inference.mean_field.kernels.head_kernels``, ``inference.mean_field.kernels.flex``).
+``MeanField.resolved_kernel``, ``fused_compute_dtype`` and ``heads`` delegate here with the
+engine's options (``MeanFieldOptions``), its CRF, its score-bound cache (``ScoreBound``)
+and whether it trains; the engine keeps the maths of mean field, this module the choice
+between kernels that compute the same messages (``inference.mean_field.kernels.head_kernels``,
+``inference.mean_field.kernels.flex``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from inference.mean_field.kernels import flex as flex_kernel
 from inference.mean_field.kernels import head_kernels
 
-__all__ = ["resolved_kernel", "fused_compute_dtype", "heads", "log_normaliser"]
+__all__ = ["resolved_kernel", "ScoreBound", "fused_compute_dtype", "heads", "log_normaliser"]
 
 # perf.md: at n <= ~128 the materialised kernel is as fast as the fused one.
 AUTO_FUSED_MIN_NODES = 129
@@ -27,25 +29,19 @@ AUTO_FUSED_MIN_NODES_SHARED = 513
 FUSED_FLOAT32_MAX_SCORE = 512.0
 
 
-def resolved_kernel(engine, num_nodes: int, device: torch.device) -> str:
-    """The kernel ``engine`` runs on ``num_nodes`` nodes on ``device``."""
-    if engine.kernel != "auto":
-        if engine.kernel in ("fused", "flex") and engine.dropout and engine.training:
+def resolved_kernel(options, crf, num_nodes: int, device: torch.device, training: bool) -> str:
+    """The kernel an engine with ``options`` on ``crf`` runs on ``num_nodes`` nodes on
+    ``device``, in training mode or not (``MeanFieldOptions``)."""
+    if options.kernel != "auto":
+        if options.kernel in ("fused", "flex") and options.dropout and training:
             raise ValueError(
-                f"kernel={engine.kernel!r} cannot apply dropout to head marginals; use kernel='naive' "
+                f"kernel={options.kernel!r} cannot apply dropout to head marginals; use kernel='naive' "
                 "or dropout=0 (or eval mode)"
             )
-        return engine.kernel
-    shared = getattr(engine.crf, "ternary_form", None) == "shared"
+        return options.kernel
+    shared = getattr(crf, "ternary_form", None) == "shared"
     fused_from = AUTO_FUSED_MIN_NODES_SHARED if shared else AUTO_FUSED_MIN_NODES
-    needs_naive = (
-        (engine.dropout and engine.training)
-        or engine.damping[1] > 0
-        or engine.step_size[1] < 1
-        or engine.schedule == "sequential"
-        or engine.span is not None
-    )
-    if needs_naive:
+    if (options.dropout and training) or options.heads_need_naive:
         return "naive"
     if flex_kernel.flex_available(device):  # CUDA: the compiled flex_attention kernel
         return "flex"
@@ -54,88 +50,113 @@ def resolved_kernel(engine, num_nodes: int, device: torch.device) -> str:
     return "fused"
 
 
-def fused_compute_dtype(engine, scale: float) -> torch.dtype | None:
-    """float64 when the CRF's parameters allow head scores (times ``scale``) beyond what
-    the fused kernel computes accurately in float32, else None (the input's type).
+class ScoreBound:
+    """The head scores' bound of one CRF's parameters, cached per parameter state; owned by
+    the engine that reads it (``fused_compute_dtype``).
 
     The bound is recomputed only when a parameter changed (its version counter, a host-side
     number), e.g. once per optimiser step, never per forward of a fixed model; under
-    torch.compile / export the last value read eagerly (at construction at the latest) is
-    used. Reading it is a host sync on the CPU; on a GPU it is copied back without one
-    (``_bound_without_sync``), so a training step that moved the bound is seen from the next
-    parameter change on (one step late)."""
-    cached = getattr(engine, "_score_bound_cache", None)
-    if engine.crf.unary.is_meta:  # shapes only (nothing to read): the input's type
-        bound = 0.0
-    elif torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        bound = cached[1] if cached is not None else 0.0  # a traced graph reads no version counter
-    else:
-        cached = _arrived(engine, cached)
+    torch.compile / export the last value read eagerly is used. Reading it is a host sync on
+    the CPU; on a GPU it is copied back without one, so a training step that moved the bound
+    is seen from the next parameter change on (one step late)."""
+
+    def __init__(self):
+        self.cached = None  # (parameter state, (scores, largest |bias|))
+        self.pending = None  # (parameter state, pinned host copy, CUDA event)
+
+    def read(self, crf):
+        """``(scores, largest |bias|)`` of ``crf``'s parameters as last known, or 0.0 where
+        nothing can be read (meta tensors; a traced graph with no eager read yet)."""
+        if crf.unary.is_meta:  # shapes only (nothing to read): the input's type
+            return 0.0
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return self.cached[1] if self.cached is not None else 0.0  # a traced graph reads no version counter
+        self._adopt_arrived()
         try:
-            state = tuple((id(p), p._version) for p in engine.crf.parameters())
+            state = tuple((id(p), p._version) for p in crf.parameters())
         except RuntimeError:  # inference-mode tensors keep no version counter: always recompute
             state = None
-        if state is None or cached is None or cached[0] != state:
-            bound = _bound_without_sync(engine, state, cached)
-        else:
-            bound = cached[1]
+        if state is None or self.cached is None or self.cached[0] != state:
+            return self._refresh(crf, state)
+        return self.cached[1]
+
+    def _adopt_arrived(self) -> None:
+        """Adopt a bound copied from the GPU once its event has passed (it is the bound of
+        the parameters as they were when it was sent: newer than any cached one)."""
+        if self.pending is None or not self.pending[2].query():
+            return
+        pending, self.pending = self.pending, None
+        state = self.cached[0] if self.cached is not None else pending[0]
+        self.cached = (state, tuple(float(x) for x in pending[1]))
+
+    def _refresh(self, crf, state) -> tuple[float, float]:
+        """The bound for parameter ``state``. On the CPU (or without an earlier value) read at
+        once; on a GPU copied into pinned memory behind an event, read at a later call once
+        the event has passed, the previous value serving until then."""
+        values = _device_bound(crf)
+        if values.device.type != "cuda" or self.cached is None or state is None:
+            bound = tuple(float(x) for x in values.cpu())
+            self.cached = (state, bound)
+            return bound
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending = (state, host, event)
+        self.cached = (state, self.cached[1])  # this state's value is on its way
+        return self.cached[1]
+
+
+def fused_compute_dtype(crf, score_bound: ScoreBound, scale: float) -> torch.dtype | None:
+    """float64 when ``crf``'s parameters allow head scores (times ``scale``) beyond what
+    the fused kernel computes accurately in float32, else None (the input's type).
+    ``score_bound``: the cache of the bound (``ScoreBound``), owned by the caller."""
+    bound = score_bound.read(crf)
     scores, bias = bound if isinstance(bound, tuple) else (bound, 0.0)
     return torch.float64 if abs(scale) * scores + bias > FUSED_FLOAT32_MAX_SCORE else None
 
 
-def _device_bound(engine) -> torch.Tensor:
+def _device_bound(crf) -> torch.Tensor:
     """``[2]``: the head scores' bound and the bias's largest magnitude, on the parameters' device."""
     with torch.no_grad():
-        u, v, bias = engine.crf.projection_tables()
+        u, v, bias = crf.projection_tables()
         scores = head_kernels.score_bound(u, v)
         largest_bias = scores.new_zeros(()) if bias is None else bias.abs().max().to(scores.dtype)
         return torch.stack([scores, largest_bias])
 
 
-def _arrived(engine, cached):
-    """The cache, with a bound copied from the GPU adopted once its event has passed (it is
-    the bound of the parameters as they were when it was sent: newer than any cached one)."""
-    pending = getattr(engine, "_score_bound_pending", None)
-    if pending is None or not pending[2].query():
-        return cached
-    engine._score_bound_pending = None
-    state = cached[0] if cached is not None else pending[0]
-    engine._score_bound_cache = (state, tuple(float(x) for x in pending[1]))
-    return engine._score_bound_cache
-
-
-def _bound_without_sync(engine, state, cached) -> tuple[float, float]:
-    """The bound for parameter ``state``, cached on the engine. On the CPU (or without an
-    earlier value) read at once; on a GPU copied into pinned memory behind an event, read at
-    a later call once the event has passed, the previous value serving until then."""
-    values = _device_bound(engine)
-    if values.device.type != "cuda" or cached is None or state is None:
-        bound = tuple(float(x) for x in values.cpu())
-        engine._score_bound_cache = (state, bound)
-        return bound
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    engine._score_bound_pending = (state, host, event)
-    engine._score_bound_cache = (state, cached[1])  # this state's value is on its way
-    return cached[1]
-
-
-def heads(engine, query, key, value, value_rev, structure, kernel, previous=None, groups=None):
-    """The head messages (``head_kernels.HeadMessages``) through ``kernel``; ``previous``:
-    the last iteration's (the naive kernel's damping and step size read it); ``groups``: the
-    groups the projections hold (the fused kernel only: ``MeanField.gemm_tables``)."""
-    scale = engine.scales()["attention"]
+def heads(
+    options,
+    crf,
+    score_bound: ScoreBound,
+    query,
+    key,
+    value,
+    value_rev,
+    structure,
+    kernel,
+    *,
+    training: bool,
+    previous=None,
+    groups=None,
+):
+    """The head messages (``head_kernels.HeadMessages``) through ``kernel`` for an engine with
+    ``options`` on ``crf``; ``previous``: the last iteration's (the naive kernel's damping and
+    step size read it); ``groups``: the groups the projections hold (the fused kernel only:
+    ``MeanField.gemm_tables``)."""
+    scale = options.scales()["attention"]
+    bias = crf.projection_tables()[2]
     if groups is not None and kernel != "fused":
         raise ValueError(f"only the fused kernel reads projections onto some groups, not {kernel!r}")
     if kernel in ("fused", "flex"):
-        options = dict(compute_dtype=fused_compute_dtype(engine, scale), bias=engine.head_bias())
-        kernel = _flex_or_fused(kernel, query, options["compute_dtype"])
+        compute_dtype = fused_compute_dtype(crf, score_bound, scale)
+        kernel = _flex_or_fused(kernel, query, compute_dtype)
         if kernel == "fused":
-            return head_kernels.fused(query, key, value, value_rev, scale, structure, **options, groups=groups)
-        return flex_kernel.flex(query, key, value, value_rev, scale, structure, **options)
-    first = query.new_ones(()) if engine.initial_head_logits == "ones" else None  # the reference's cache
+            return head_kernels.fused(
+                query, key, value, value_rev, scale, structure, compute_dtype=compute_dtype, bias=bias, groups=groups
+            )
+        return flex_kernel.flex(query, key, value, value_rev, scale, structure, compute_dtype=compute_dtype, bias=bias)
+    first = query.new_ones(()) if options.initial_head_logits == "ones" else None  # the reference's cache
     return head_kernels.naive(
         query,
         key,
@@ -143,25 +164,26 @@ def heads(engine, query, key, value, value_rev, structure, kernel, previous=None
         value_rev,
         scale,
         structure,
-        damping=engine.damping[1],
+        damping=options.damping[1],
         previous_logits=first if previous is None else previous.logits,
-        step_size=engine.step_size[1],
+        step_size=options.step_size[1],
         previous_probs=None if previous is None else previous.probs,
-        dropout=engine.dropout,
-        training=engine.training,
-        bias=engine.head_bias(),
+        dropout=options.dropout,
+        training=training,
+        bias=bias,
     )
 
 
-def log_normaliser(engine, query, key, structure, kernel) -> torch.Tensor:
+def log_normaliser(crf, score_bound: ScoreBound, query, key, structure, kernel) -> torch.Tensor:
     """``[B, C, N]`` row log-normalisers of the head logits at scale 1 (what the ELBO reads),
     through ``kernel``, 0 on rows with no legal head."""
-    wide = fused_compute_dtype(engine, 1.0) if kernel in ("fused", "flex") else None
+    bias = crf.projection_tables()[2]
+    wide = fused_compute_dtype(crf, score_bound, 1.0) if kernel in ("fused", "flex") else None
     kernel = _flex_or_fused(kernel, query, wide)
     if kernel == "flex":
-        options = dict(messages=False, compute_dtype=wide, bias=engine.head_bias())
+        options = dict(messages=False, compute_dtype=wide, bias=bias)
         return flex_kernel.flex(query, key, key, query, 1.0, structure, **options).lse
-    return head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide, engine.head_bias())
+    return head_kernels.log_normaliser(query, key, 1.0, structure, kernel, wide, bias)
 
 
 def _flex_or_fused(kernel: str, query: torch.Tensor, compute_dtype: torch.dtype | None) -> str:

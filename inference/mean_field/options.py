@@ -1,0 +1,164 @@
+"""The settings of a ``MeanField``: one frozen ``MeanFieldOptions``, checked once, here.
+
+The engine's collaborators (``schedules``, ``bound``, ``kernels.choice``) read these and the
+CRF, never the engine. ``training`` is not a setting: it is module state that changes with
+``train()`` / ``eval()``, so every function that reads it takes it as an argument.
+
+The engine's attributes of the same names (``engine.kernel``, ``engine.iterations``, ...)
+read and write its ``options``: writing one replaces the options with a copy holding the
+new value, unchecked, as a plain attribute write always was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inference.mean_field.halting import HALTING, HALTING_SOURCES
+from inference.mean_field.message_weights import MessageWeights, MupScales, labels_and_heads
+
+__all__ = ["MeanFieldOptions", "SCHEDULES", "KERNELS", "INITIAL_HEAD_LOGITS"]
+
+SCHEDULES = ("async", "parallel", "sequential", "macaron")
+INITIAL_HEAD_LOGITS = ("none", "ones")
+KERNELS = ("auto", "naive", "fused", "flex")
+_NO_MUP = MupScales(temperature=1.0, attention=1.0, ternary_message=1.0, topic_message=1.0, topic_logits=1.0)
+MAX_ITERATIONS = 10_000  # each iteration is a layer: far deeper than any model we train
+
+
+@dataclass(frozen=True)
+class MeanFieldOptions:
+    """What a ``MeanField`` was asked to do (its constructor's arguments, parsed): the
+    meaning of each is in ``MeanField``'s docstring. ``damping`` and ``step_size`` are
+    ``(labels, heads)`` pairs; ``adaptive_span`` says whether the engine learns spans."""
+
+    iterations: int = 4
+    schedule: str = "async"
+    mup: bool = False
+    kernel: str = "auto"
+    dropout: float = 0.0
+    damping: tuple[float, float] = (0.0, 0.0)
+    step_size: tuple[float, float] = (1.0, 1.0)
+    weights: MessageWeights = MessageWeights()
+    mup_scales: MupScales | None = None
+    halting: str = "none"
+    halting_source: str = "posterior"
+    act_epsilon: float = 0.01
+    exit_threshold: float = 0.9
+    adaptive_span: bool = False
+    span_max: int = 64
+    span_ramp: int = 8
+    memory_topk: int = 32
+    initial_head_logits: str = "none"
+
+    @classmethod
+    def parse(
+        cls,
+        crf,
+        iterations=4,
+        schedule="async",
+        mup=False,
+        kernel="auto",
+        dropout=0.0,
+        damping=0.0,
+        step_size=1.0,
+        weights=None,
+        mup_scales=None,
+        halting="none",
+        halting_source="posterior",
+        act_epsilon=0.01,
+        exit_threshold=0.9,
+        span=False,
+        span_max=64,
+        span_ramp=8,
+        memory_topk=32,
+        initial_head_logits="none",
+    ) -> MeanFieldOptions:
+        """The checked options of an engine on ``crf`` (``ValueError`` naming the argument)."""
+        _check_iterations_schedule_kernel_dropout(iterations, schedule, kernel, dropout)
+        damping = labels_and_heads("damping", damping, 0.0, 0.999999)
+        step_size = labels_and_heads("step_size", step_size, 0.0, 1.0, low_open=True)
+        weights = MessageWeights.parse(weights, crf.labels)
+        mup_scales = mup_scales or MupScales.reconstruction(crf)
+        _check_halting(halting, halting_source, act_epsilon, exit_threshold, schedule)
+        if schedule == "macaron" and not crf.global_labels:
+            raise ValueError("schedule 'macaron' alternates global and head updates: the CRF needs global_labels > 0")
+        _check_span_memory_initial(span, span_max, span_ramp, memory_topk, initial_head_logits)
+        options = cls(
+            iterations=iterations,
+            schedule=schedule,
+            mup=bool(mup),
+            kernel=kernel,
+            dropout=float(dropout),
+            damping=damping,
+            step_size=step_size,
+            weights=weights,
+            mup_scales=mup_scales,
+            halting=halting,
+            halting_source=halting_source,
+            act_epsilon=float(act_epsilon),
+            exit_threshold=float(exit_threshold),
+            adaptive_span=bool(span),
+            span_max=span_max,
+            span_ramp=span_ramp,
+            memory_topk=memory_topk,
+            initial_head_logits=initial_head_logits,
+        )
+        if kernel in ("fused", "flex") and options.heads_need_naive:
+            raise ValueError(
+                f"kernel={kernel!r} supports no head damping/step size, no sequential schedule and no adaptive span; "
+                "use kernel='naive'"
+            )
+        return options
+
+    @property
+    def heads_need_naive(self) -> bool:
+        """Whether the head update needs the materialised head marginals: head damping or
+        step size, the sequential schedule or an adaptive span (dropout is the other reason,
+        in training only: ``kernels.choice.resolved_kernel``)."""
+        return self.damping[1] > 0 or self.step_size[1] < 1 or self.schedule == "sequential" or self.adaptive_span
+
+    def scales(self) -> dict[str, float]:
+        """The effective multiplier of every message (weights times μP factors)."""
+        w, mu = self.weights, self.mup_scales if self.mup else _NO_MUP
+        return {
+            "unary": w.unary,
+            "head": w.head * mu.ternary_message,
+            "dependents": w.dependents * mu.ternary_message,
+            "topic": w.topic * mu.topic_message,
+            "attention": w.attention * mu.attention,
+            "topic_logits": w.topic_logits * mu.topic_logits,
+        }
+
+
+def _check_iterations_schedule_kernel_dropout(iterations, schedule, kernel, dropout) -> None:
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or not 1 <= iterations <= MAX_ITERATIONS:
+        raise ValueError(f"iterations must be an integer >= 1 and <= 10000 (the limit), got {iterations!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; allowed: {list(SCHEDULES)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; allowed: {list(KERNELS)}")
+    if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout must lie in [0, 1), got {dropout!r}")
+
+
+def _check_halting(halting, halting_source, act_epsilon, exit_threshold, schedule) -> None:
+    if halting not in HALTING or halting_source not in HALTING_SOURCES:
+        raise ValueError(
+            f"halting must be one of {list(HALTING)} and halting_source one of {list(HALTING_SOURCES)}, "
+            f"got {halting!r}, {halting_source!r}"
+        )
+    if not 0 < act_epsilon < 1 or not 0 < exit_threshold <= 1:
+        raise ValueError(
+            f"act_epsilon must lie in (0, 1) and exit_threshold in (0, 1], got {act_epsilon}, {exit_threshold}"
+        )
+    if halting != "none" and schedule == "sequential":
+        raise ValueError("halting needs an unrolled schedule ('async', 'parallel' or 'macaron'), not 'sequential'")
+
+
+def _check_span_memory_initial(span, span_max, span_ramp, memory_topk, initial_head_logits) -> None:
+    if span and (span_max < 1 or span_ramp < 1):
+        raise ValueError(f"span_max and span_ramp must be >= 1, got {span_max}, {span_ramp}")
+    if isinstance(memory_topk, bool) or not isinstance(memory_topk, int) or memory_topk < 1:
+        raise ValueError(f"memory_topk must be an integer >= 1, got {memory_topk!r}")
+    if initial_head_logits not in INITIAL_HEAD_LOGITS:
+        raise ValueError(f"initial_head_logits must be one of {list(INITIAL_HEAD_LOGITS)}, got {initial_head_logits!r}")
