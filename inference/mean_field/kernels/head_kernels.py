@@ -34,7 +34,8 @@ attention with queries and keys swapped whose key bias is ``-lse`` of the forwar
 rows, un-normalised by its own ``lse`` (so no column sum is ever materialised). The far
 attentions run through the CPU flash op in query blocks that skip fully masked keys
 (``inference.mean_field.kernels.fused.far_attention``): each block reads only the keys its rows can reach, bounded by
-the topology's data (a band's reach, a segment length) where it has them (``_far_spans``).
+the topology's data (a band's reach, a segment length) where it has them. The fused
+kernel's steps (scores per part, row normalisers, messages) are ``fused/kernel.py``.
 Everything stays token-major (``[B, N, C, r]`` per group, views of the projections), and
 the messages come back as one tensor (``stacked``).
 
@@ -58,14 +59,24 @@ import math
 import torch
 import torch.nn.functional as F
 
-from inference.mean_field.kernels.fused.far_attention import ABSENT, MASKED, KeySpan, far_attention, flash_available
-from inference.mean_field.kernels.fused.message_assembly import Part, assemble, band_scores
+from inference.mean_field.kernels.fused import kernel as fused_kernel
+from inference.mean_field.kernels.fused.far_attention import flash_available
+from inference.mean_field.kernels.fused.kernel import used_groups
 from inference.mean_field.kernels.null_softmax import softmax_with_null
 from inference.mean_field.kernels.precision import full_precision
 from inference.mean_field.kernels.shared_heads import shared_heads
 from inference.mean_field.kernels.structure import HeadMessages, HeadStructure
 
-__all__ = ["HeadStructure", "HeadMessages", "naive", "fused", "log_normaliser", "fused_available", "score_bound"]
+__all__ = [
+    "HeadStructure",
+    "HeadMessages",
+    "naive",
+    "fused",
+    "log_normaliser",
+    "fused_available",
+    "used_groups",
+    "score_bound",
+]
 
 
 def _groups(x: torch.Tensor) -> list[torch.Tensor]:
@@ -173,64 +184,6 @@ def fused_available(device: torch.device) -> bool:
     return flash_available(device)
 
 
-def _far_masks(structure: HeadStructure):
-    """Per far side: None (every far token arc allowed: no mask), a token mask, or
-    False (no far arc at all). Decided from the topology's band, in plain Python, so
-    that compiled graphs see no data-dependent branch."""
-    shift = structure.reach + 1
-    if structure.band is None:
-        return {"right": structure.token_arcs, "left": structure.token_arcs}
-    sides = {}
-    for side, reach in zip(("left", "right"), structure.band):
-        sides[side] = False if reach < shift else (None if reach == math.inf else structure.token_arcs)
-    return sides
-
-
-def _far_spans(structure: HeadStructure) -> dict:
-    """Per far side: ``(span of its rows' keys, span of the transposed attention's)`` as
-    ``KeySpan``s, from the topology's data (a band's reach, a segment length), never from the
-    mask: the far attentions read only the keys in them (the mask still decides each arc)."""
-    spans = {}
-    for index, side in enumerate(("left", "right")):
-        width = structure.band[index] if structure.band is not None else math.inf
-        length = getattr(structure.topology, "segment_length", None)
-        if length is None:
-            spans[side] = (KeySpan(width=width), KeySpan(width=width))
-        else:  # arcs reach the segment before; their transposes the segment after
-            spans[side] = (KeySpan(width, length, before=1), KeySpan(width, length, after=1))
-    return spans
-
-
-def _band_offsets(structure: HeadStructure) -> list[int]:
-    """The near diagonals that can hold an arc: |offset| <= reach, inside the topology's band
-    (a diagonal outside it is all illegal: zero weight, so it is not computed)."""
-    left, right = structure.band if structure.band is not None else (math.inf, math.inf)
-    reach, n = structure.reach, structure.n
-    return [o for o in range(-reach, reach + 1) if o and abs(o) < n and -left <= o <= right]
-
-
-def used_groups(structure: HeadStructure) -> tuple[int, ...]:
-    """The distance groups ``fused`` reads on this structure, in order: a topology without
-    arcs to one side (``causal``) or a short sentence needs only some; the others' projections
-    need not be computed (``MeanField`` then projects onto these alone)."""
-    shift = structure.reach + 1
-    used = {_group_of(offset, structure) for offset in _band_offsets(structure)}
-    if structure.n > shift:
-        sides = _far_masks(structure)
-        far = (("right", structure.gamma), ("left", 2 * structure.gamma + 1))
-        used |= {k for side, k in far if sides[side] is not False}
-    if structure.nodes.shape[1] > structure.n:
-        used.add(structure.virtual_group)
-    return tuple(sorted(used)) or (0,)  # no arc at all (n = 1): one group holds the zero messages
-
-
-def _group_of(offset: int, structure: HeadStructure) -> int:
-    """The group of token offset ``offset``: right, the bucket of the distance; left, after the
-    right ones."""
-    bucket = sum(abs(offset) >= cut for cut in structure.bucket_cuts)
-    return bucket if offset > 0 else structure.gamma + 1 + bucket
-
-
 @full_precision
 def fused(
     query,
@@ -267,129 +220,13 @@ def fused(
     bias = None if bias is None else bias.to(wide)
     flash = fused_available(query.device)  # looked up here: tests patch it
     projections = [t.to(wide) for t in (query, key, value, value_rev)]
-    result = _fused(*projections, scale, structure, messages, bias, flash, groups)
+    result = fused_kernel.messages(*projections, scale, structure, messages, bias, flash, groups)
     lse = result.lse.to(dtype)
     if result.stacked is None:
         return HeadMessages(None, None, lse, query=query, key=key, groups=groups)
     stacked = result.stacked.to(dtype)
     forward, reverse = stacked[:, :, 0], stacked[:, :, 1]
     return HeadMessages(forward, reverse, lse, query=query, key=key, stacked=stacked, groups=groups)
-
-
-def _split_groups(tensors) -> list[list[torch.Tensor]]:
-    """Each ``[B, N, K, C, r]`` -> its K groups ``[B, N, C, r]`` (token-major views), with one
-    ``unbind`` per distinct tensor (async mean field passes key as value, query as value_rev):
-    its backward stacks the groups' gradients once, where indexing ``x[:, :, k]`` at every use
-    zero-filled a full-size gradient per use."""
-    split = {}
-    return [split.setdefault(id(t), list(t.unbind(2))) for t in tensors]
-
-
-def _fused(query, key, value, value_rev, scale, structure: HeadStructure, messages: bool, bias, flash, groups):
-    """Token-major throughout: projections ``[B, N, C, r]`` per group, row quantities
-    (scores, normalisers) ``[B, n, C]``."""
-    B, N, K, C, r = query.shape  # K = 1: shared by every group (one message slot for all)
-    n, gamma, reach = structure.n, structure.gamma, structure.reach
-    m = N - n
-    dtype = query.dtype
-    nodes, has_head = structure.nodes, structure.has_head  # never structure.arcs: [B, N, N]
-    token_nodes = nodes[:, :n, None]  # [B, n, 1]
-    queries, keys, values, values_rev = _split_groups((query, key, value, value_rev))
-
-    def group_of(offset: int) -> int:
-        return _group_of(offset, structure)
-
-    def slot(k: int) -> int:  # where group k's projections and messages live
-        return groups.index(k) if groups is not None else 0 if K == 1 else k
-
-    def bias_of(k: int) -> torch.Tensor | float:  # [C]: group k's bias per channel
-        return 0.0 if bias is None else bias[k]
-
-    # 1. scores of every part, per row
-    band = {}  # offset -> [B, n, C] scores of arc (i, i + offset), MASKED where illegal
-    for offset in _band_offsets(structure):
-        k = group_of(offset)
-        q_k, key_k = queries[slot(k)], keys[slot(k)]
-        lo, hi = max(0, -offset), n - max(0, offset)
-        s = scale * band_scores(q_k, key_k, offset, n) + bias_of(k)
-        legal = structure.diagonal(offset)[..., None]  # [B, hi - lo, 1]
-        band[offset] = F.pad(s.masked_fill(~legal, MASKED), (0, 0, lo, n - hi), value=MASKED)
-
-    sides = _far_masks(structure)
-    spans = _far_spans(structure)
-    shift = reach + 1
-    far = {}
-    for side, k in (("right", gamma), ("left", 2 * gamma + 1)):
-        if sides[side] is False or n <= shift:
-            continue
-        key_bias = torch.where(token_nodes, bias_of(k), ABSENT).to(dtype).expand(B, n, C)
-        q_k, key_k, v_k = (g[slot(k)][:, :n] for g in (queries, keys, values))
-        out, lse = far_attention(q_k, key_k, v_k, key_bias, scale, shift, side, sides[side], flash, spans[side][0])
-        far[side] = (k, out, torch.where(token_nodes, lse.transpose(1, 2), MASKED))
-
-    if m:
-        kv = structure.virtual_group
-        q_v, key_v = (g[slot(kv)].transpose(1, 2) for g in (queries, keys))  # [B, C, N, r]
-        bias_v = 0.0 if bias is None else bias[kv][:, None, None]  # [C, 1, 1]
-        virtual_cols = scale * (q_v[..., :n, :] @ key_v[..., n:, :].transpose(-1, -2)) + bias_v  # [B, C, n, m]
-        virtual_cols = virtual_cols.masked_fill(~structure.border[0][:, None], MASKED)
-        virtual_rows = scale * (q_v[..., n:, :] @ key_v.transpose(-1, -2)) + bias_v  # [B, C, m, N]
-        virtual_rows = virtual_rows.masked_fill(~structure.border[1][:, None], MASKED)
-
-    # 2. the row log-normaliser: log-sum-exp over the parts, plus the null head
-    null = torch.where(has_head, MASKED, 0.0).to(dtype)[..., None]  # [B, N, 1]
-    token_parts = [null[:, :n, None].expand(B, n, C, 1)] + [s[..., None] for s in band.values()]
-    token_parts += [lse[..., None] for (_, _, lse) in far.values()]
-    if m:
-        token_parts.append(virtual_cols.transpose(1, 2))  # [B, n, C, m]
-    lse_tokens = torch.cat(token_parts, -1).logsumexp(-1)  # [B, n, C]
-    lse = lse_tokens.transpose(1, 2)  # [B, C, n]
-    if m:
-        lse_virtual = torch.cat([null[:, None, n:].expand(B, C, m, 1), virtual_rows], -1)
-        lse_virtual = lse_virtual.logsumexp(-1)  # [B, C, m]
-        lse = torch.cat([lse, lse_virtual], -1)
-
-    if not messages:  # the ELBO needs only the normalisers: skip the reverse attentions
-        return HeadMessages(None, None, torch.where(has_head[:, None], lse, 0.0))
-
-    # 3. messages: parts written into one tensor, forward of slot k in slot k, reverse in K + k
-    parts = []
-    for offset, s in band.items():
-        p = (s - lse_tokens).exp()[..., None]  # [B, n, C, 1]: P(i -> i + offset)
-        lo, hi = max(0, -offset), n - max(0, offset)
-        k = slot(group_of(offset))
-        parts.append(Part(k, lo, hi - lo, values[k], lo + offset, p, lo))
-        # head h = i + offset receives from dependent i = h - offset
-        parts.append(Part(K + k, lo + offset, hi - lo, values_rev[k], lo, p, lo))
-    for side, (k, out, part_lse) in far.items():
-        weight = (part_lse - lse_tokens).exp()[..., None]
-        parts.append(Part(slot(k), 0, n, out, 0, weight))
-        # reverse: head i gathers dependents j on the opposite side, weighted exp(s_ji + bias - lse_j)
-        swap = "left" if side == "right" else "right"
-        mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
-        key_bias = torch.where(token_nodes, bias_of(k) - lse_tokens, ABSENT)
-        q_k, key_k, v_rev = (g[slot(k)][:, :n] for g in (keys, queries, values_rev))
-        out_rev, lse_rev = far_attention(q_k, key_k, v_rev, key_bias, scale, shift, swap, mask, flash, spans[side][1])
-        # a padding head has no dependent: drop its row before exp() (its raw scores may be huge).
-        # lse_rev = log sum_j P(j -> i) <= log n exactly, but each term is exp(score - lse_j)
-        # with lse_j rounded elsewhere: past ~1e7 in float32 that can overflow, so cap it
-        lse_rev = torch.where(token_nodes, lse_rev.transpose(1, 2).clamp(max=math.log(n)), MASKED)
-        parts.append(Part(K + slot(k), 0, n, out_rev, 0, lse_rev.exp()[..., None]))
-    if m:
-        p_cols = (virtual_cols - lse_tokens.transpose(1, 2)[..., None]).exp()  # [B, C, n, m]
-        p_rows = (virtual_rows - lse_virtual[..., None]).exp()  # [B, C, m, N]
-        kv = slot(kv)
-        v_v, v_rev_v = (g[kv].transpose(1, 2) for g in (values, values_rev))  # [B, C, N, r]
-        virtual = torch.cat([p_cols @ v_v[..., n:, :], p_rows @ v_v], -2).transpose(1, 2)
-        parts.append(Part(kv, 0, N, virtual, 0))
-        from_rows = p_rows.transpose(-1, -2) @ v_rev_v[..., n:, :]  # [B, C, N, r]
-        from_cols = p_cols.transpose(-1, -2) @ v_rev_v[..., :n, :]  # [B, C, m, r]
-        parts.append(Part(K + kv, 0, N, (from_rows + F.pad(from_cols, (0, 0, n, 0))).transpose(1, 2), 0))
-    if not parts:  # no arc can exist (n = 1, no virtual node): zero messages
-        parts.append(Part(0, 0, N, queries[0].new_zeros(()).expand_as(queries[0]), 0))
-    stacked = assemble(parts, 2 * K, N).unflatten(2, (2, K))
-    lse = torch.where(has_head[:, None], lse, 0.0)
-    return HeadMessages(stacked[:, :, 0], stacked[:, :, 1], lse, stacked=stacked)
 
 
 @full_precision
