@@ -28,11 +28,14 @@ MIN_PSIS_DRAWS = 21
 def _check_tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         try:
-            value = torch.as_tensor(np.asarray(value, dtype=np.float64))
-        except (TypeError, ValueError) as error:  # strings, ragged lists, objects
+            array = np.asarray(value)
+        except ValueError as error:  # a ragged list: numbers, but no array shape
             raise ValueError(f"{name} must be a tensor or array of real numbers, got {value!r:.80} ({error})") from None
+        if array.dtype.kind not in "biufc":  # strings, objects
+            raise TypeError(f"{name} must be a tensor or array of real numbers, got {value!r:.80}")
+        value = torch.as_tensor(array.astype(np.complex128 if array.dtype.kind == "c" else np.float64))
     if value.dtype.is_complex:
-        raise ValueError(f"{name} must hold real numbers, got dtype {value.dtype}")
+        raise TypeError(f"{name} must hold real numbers, got dtype {value.dtype}")
     if not value.dtype.is_floating_point:
         value = value.double()
     if value.numel() == 0:
@@ -46,8 +49,9 @@ def _check_dim(dim, ndim: int) -> int:
     if ndim == 0:
         raise ValueError("the weights must have at least one dim (the weights to measure), got a 0-d value")
     low, high = -ndim, ndim - 1
-    if isinstance(dim, bool) or not isinstance(dim, int) or not low <= dim <= high:
-        raise ValueError(f"dim must be an integer in [{low}, {high}] (the weights have {ndim} dims), got {dim!r}")
+    wrong = TypeError if isinstance(dim, bool) or not isinstance(dim, int) else ValueError
+    if wrong is TypeError or not low <= dim <= high:
+        raise wrong(f"dim must be an integer in [{low}, {high}] (the weights have {ndim} dims), got {dim!r}")
     return dim
 
 
@@ -67,7 +71,7 @@ def ess(weights=None, *, log_weights=None, dim: int = -1, normalized: bool = Fal
     if (weights is None) == (log_weights is None):
         raise ValueError("give exactly one of weights or log_weights")
     if not isinstance(normalized, bool):
-        raise ValueError(f"normalized must be True or False, got {normalized!r}")
+        raise TypeError(f"normalized must be True or False, got {normalized!r}")
     if log_weights is not None:
         lw = _check_tensor("log_weights", log_weights)
         _check_dim(dim, lw.dim())
@@ -109,7 +113,7 @@ def pareto_k(log_weights, relative_efficiency: float = 1.0) -> ParetoK:
     if lw.ndim == 0:
         raise ValueError("log_weights must have a draws axis: shape [..., S], got a 0-d value")
     if isinstance(relative_efficiency, bool) or not isinstance(relative_efficiency, int | float):
-        raise ValueError(f"relative_efficiency must be a finite number > 0, got {relative_efficiency!r}")
+        raise TypeError(f"relative_efficiency must be a finite number > 0, got {relative_efficiency!r}")
     if not (math.isfinite(relative_efficiency) and relative_efficiency > 0):  # ArviZ divides by it
         raise ValueError(f"relative_efficiency must be a finite number > 0, got {relative_efficiency!r}")
     if np.isposinf(lw).any():
@@ -160,8 +164,10 @@ def diversity(hidden: torch.Tensor, mask: torch.Tensor | None = None) -> Diversi
         raise ValueError("hidden contains Inf")
     B, n, _ = hidden.shape
     mask = torch.ones(B, n, dtype=torch.bool, device=hidden.device) if mask is None else mask
-    if mask.shape != (B, n) or mask.dtype != torch.bool:
-        raise ValueError(f"mask must be a bool tensor of shape {(B, n)}")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor of shape {(B, n)}, got {getattr(mask, 'dtype', type(mask))}")
+    if mask.shape != (B, n):
+        raise ValueError(f"mask must be a bool tensor of shape {(B, n)}, got shape {tuple(mask.shape)}")
     if (mask.sum(1) < 1).any():
         raise ValueError("every sequence needs at least one real token")
     x = hidden.double() * mask[..., None]

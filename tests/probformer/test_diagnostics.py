@@ -97,16 +97,28 @@ def test_ess_bad_input(kwargs, match):
             r"dim must be an integer in \[-2, 1\] \(the weights have 2 dims\)",
         ),
         (dict(weights=torch.ones(3, 4), dim=-3), r"dim must be an integer in \[-2, 1\]"),
-        (dict(weights=torch.ones(3), dim=0.0), r"dim must be an integer"),
         (dict(weights=torch.tensor(0.5)), "at least one dim"),
-        (dict(weights=["a", "b"]), "weights must be a tensor or array of real numbers"),
         (dict(log_weights=[[0.0], [1.0, 2.0]]), "log_weights must be a tensor or array of real numbers"),
-        (dict(weights=torch.ones(3, dtype=torch.complex64)), "weights must hold real numbers"),
-        (dict(weights=torch.ones(3), normalized="yes"), "normalized must be True or False"),
     ],
 )
 def test_ess_names_the_bad_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        diagnostics.ess(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [  # a wrong type is a TypeError, naming the argument
+        (dict(weights=torch.ones(3), dim=0.0), r"dim must be an integer"),
+        (dict(weights=torch.ones(3), dim=True), r"dim must be an integer"),
+        (dict(weights=["a", "b"]), "weights must be a tensor or array of real numbers"),
+        (dict(weights=torch.ones(3, dtype=torch.complex64)), "weights must hold real numbers"),
+        (dict(weights=[1j, 2.0]), "weights must hold real numbers"),
+        (dict(weights=torch.ones(3), normalized="yes"), "normalized must be True or False"),
+    ],
+)
+def test_ess_names_the_argument_of_the_wrong_type(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         diagnostics.ess(**kwargs)
 
 
@@ -190,18 +202,28 @@ def test_pareto_k_bad_input():
 @pytest.mark.parametrize(
     "args,kwargs,match",
     [  # IndexError, "too many dimensions 'str'", ZeroDivisionError or silent NaN
-        ((["a"],), {}, "log_weights must be a tensor or array of real numbers"),
         ((torch.tensor(0.5),), {}, r"log_weights must have a draws axis: shape \[..., S\]"),
         ((np.zeros(100),), dict(relative_efficiency=0), "relative_efficiency must be a finite number > 0, got 0"),
         ((np.zeros(100),), dict(relative_efficiency=-1.0), "relative_efficiency must be a finite number > 0"),
         ((np.zeros(100),), dict(relative_efficiency=math.nan), "relative_efficiency must be a finite number > 0"),
         ((np.zeros(100),), dict(relative_efficiency=math.inf), "relative_efficiency must be a finite number > 0"),
-        ((np.zeros(100),), dict(relative_efficiency="1"), "relative_efficiency must be a finite number > 0"),
-        ((np.zeros(100),), dict(relative_efficiency=True), "relative_efficiency must be a finite number > 0"),
     ],
 )
 def test_pareto_k_names_the_bad_argument(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
+        diagnostics.pareto_k(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((["a"],), {}, "log_weights must be a tensor or array of real numbers"),
+        ((np.zeros(100),), dict(relative_efficiency="1"), "relative_efficiency must be a finite number > 0"),
+        ((np.zeros(100),), dict(relative_efficiency=True), "relative_efficiency must be a finite number > 0"),
+    ],
+)
+def test_pareto_k_names_the_argument_of_the_wrong_type(args, kwargs, match):
+    with pytest.raises(TypeError, match=match):
         diagnostics.pareto_k(*args, **kwargs)
 
 
@@ -238,6 +260,12 @@ def test_diversity_bad_input():
         diagnostics.diversity(torch.randn(4, 8))
     with pytest.raises(ValueError, match="at least one real token"):
         diagnostics.diversity(torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"mask must be a bool tensor of shape \(1, 3\), got shape \(1, 2\)"):
+        diagnostics.diversity(torch.randn(1, 3, 4), torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"mask must be a bool tensor of shape \(1, 3\)"):
+        diagnostics.diversity(torch.randn(1, 3, 4), torch.ones(1, 3))
+    with pytest.raises(TypeError, match="hidden must be a tensor or array of real numbers"):
+        diagnostics.diversity("hidden")
     with pytest.raises(ValueError, match="NaN"):
         diagnostics.diversity(torch.full((1, 3, 4), math.nan))
 
