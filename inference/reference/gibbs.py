@@ -112,58 +112,47 @@ class Gibbs:
 
     def sample(self, tokens=None, mask=None, embeddings=None) -> GibbsResult:
         """Draws for token ids ``tokens [B, n]``, or ``embeddings [B, n, D]`` for a CRF with
-        ``embedding_size``."""
+        ``embedding_size``: the labels by collapsed Gibbs, then the heads and globals given
+        each draw of the labels, then their summaries."""
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        import jax
-        import jax.numpy as jnp
-        import numpyro
-        import numpyro.distributions as dist
-        from numpyro.infer import MCMC, DiscreteGibbs
-
         crf = self.crf
         tokens, mask = crf.check_any(tokens, mask, embeddings)  # tokens: the checked ids or embeddings
         crf.check_parameters()
         B, n = mask.shape
         N, d, C, G = crf.topology.num_nodes(n), crf.labels, crf.channels, crf.global_labels
         self._check_draw_size(B * (N * d + C * N * N + n * G))
-        with torch.no_grad():
-            arcs_t = crf.arc_mask(mask)
-            unary = jnp.asarray(crf.input_table(tokens, mask).double().cpu().numpy())
-            table = jnp.asarray(crf.ternary_tensor().double().cpu().numpy())  # [K, C, d, d]
-            binary = jnp.asarray(crf.binary.double().cpu().numpy()) if G else None
-        arcs = jnp.asarray(arcs_t.cpu().numpy())
-        has_head = arcs.any(-1)  # [B, N]
-        groups = jnp.asarray(crf.distance_groups(n).numpy())
-        token_mask = jnp.asarray(mask.cpu().numpy())
-        channel = jnp.arange(C)[None, :, None]
-        illegal = ~arcs[:, None, :, :]  # [B, 1, N(dependent), N(head)]
+        collapsed = _CollapsedCRF.of(crf, tokens, mask)
+        z_draws, key_block = self._label_draws(collapsed)
+        draws, values = _block_draws(collapsed, z_draws, key_block, crf.node_mask(mask).numpy())
+        means, errors, sizes, rhat = _summaries(values, float(self.num_chains * self.num_samples))
+        dims = {"z": ["sentence", "node"], "h": ["sentence", "channel", "node"], "g": ["sentence", "token"]}
+        inference_data = arviz_interop.from_arrays({"posterior": draws}, dims=dims)
+        dtype = crf.unary.dtype  # the Posterior contract: the CRF's dtype (the averages run in float64)
+        marginal = {name: value.to(dtype) for name, value in means.items()}
+        return GibbsResult(
+            marginals=Posterior(z=marginal["z"], h=marginal["h"], g=marginal.get("g")),
+            standard_error=Posterior(z=errors["z"], h=errors["h"], g=errors.get("g")),
+            effective_sample_size=Posterior(z=sizes["z"], h=sizes["h"], g=sizes.get("g")),
+            rhat=rhat,
+            inference_data=inference_data,
+        )
 
-        def conditionals(z):
-            """Log-conditionals of every head [B, C, N, N] and global [B, n, G] given z [B, N]."""
-            z_dep = jnp.broadcast_to(z[:, None, :, None], (B, C, N, N))
-            z_head = jnp.broadcast_to(z[:, None, None, :], (B, C, N, N))
-            group = jnp.broadcast_to(groups[None, None], (B, C, N, N))
-            head = table[group, channel[..., None], z_dep, z_head]
-            head = jnp.where(illegal, -1e30, head)  # exp(-1e30) is exactly zero
-            glob = binary.T[z[:, :n]] if G else None
-            return head, glob
+    def _label_draws(self, collapsed: _CollapsedCRF):
+        """``(z_draws, key_block)``: the labels ``[chain, draw, B, N]`` drawn by NumPyro's
+        ``DiscreteGibbs`` on the collapsed potential (chains side by side under ``jax.vmap``),
+        and the PRNG key of the block draws that follow."""
+        import jax
+        import jax.numpy as jnp
+        import numpyro
+        import numpyro.distributions as dist
+        from numpyro.infer import MCMC, DiscreteGibbs
 
-        extra_terms = [_extra_term(factor, tokens, mask, crf.node_mask(mask), unary.dtype) for factor in crf.factors]
-
-        def collapsed_log_potential(z):
-            head, glob = conditionals(z)
-            score = jnp.take_along_axis(unary, z[..., None], -1).sum()
-            score += jnp.where(has_head[:, None, :], jax.nn.logsumexp(head, -1), 0.0).sum()
-            if G:
-                score += jnp.where(token_mask, jax.nn.logsumexp(glob, -1), 0.0).sum()
-            for term in extra_terms:
-                score += term(z)
-            return score
+        B, _, N, d, _, _ = collapsed.sizes
 
         def model():
             with numpyro.plate("sentence", B, dim=-2), numpyro.plate("node", N, dim=-1):
                 z = numpyro.sample("z", dist.Categorical(logits=jnp.zeros((N, d))))
-            numpyro.factor("potential", collapsed_log_potential(z))
+            numpyro.factor("potential", collapsed.log_potential(z))
 
         mcmc = MCMC(
             DiscreteGibbs(model),
@@ -175,59 +164,130 @@ class Gibbs:
         )
         key_chains, key_block = jax.random.split(jax.random.PRNGKey(self.seed))
         mcmc.run(key_chains)
-        z_draws = mcmc.get_samples(group_by_chain=True)["z"]  # [chain, draw, B, N]
+        return mcmc.get_samples(group_by_chain=True)["z"], key_block
 
-        def block(key, z):
-            head, glob = conditionals(z)
-            key_h, key_g = jax.random.split(key)
-            h = jax.random.categorical(key_h, head)
-            head_p = jnp.where(has_head[:, None, :, None], jax.nn.softmax(head, -1), 0.0)
-            if not G:
-                return h, head_p, None, None
-            g = jax.random.categorical(key_g, glob)
-            return h, head_p, g, jnp.where(token_mask[..., None], jax.nn.softmax(glob, -1), 0.0)
 
-        flat = z_draws.reshape((-1, B, N))
-        keys = jax.random.split(key_block, flat.shape[0])
-        h, head_p, g, glob_p = jax.vmap(block)(keys, flat)
-        shape = z_draws.shape[:2]
-        draws = {"z": np.asarray(z_draws), "h": np.asarray(h).reshape(shape + (B, C, N))}
-        values = {  # per-draw quantities whose means are the marginals
-            "z": np.eye(d)[draws["z"]] * crf.node_mask(mask).numpy()[..., None],
-            "h": np.asarray(head_p).reshape(shape + (B, C, N, N)),
-        }
-        if G:
-            draws["g"] = np.asarray(g).reshape(shape + (B, n))
-            values["g"] = np.asarray(glob_p).reshape(shape + (B, n, G))
+@dataclass(frozen=True)
+class _CollapsedCRF:
+    """One batch of sentences of the CRF restated in JAX (float64) from its tables: given the
+    labels z ``[B, N]`` every head and global is independent, so they are summed out in closed
+    form (``log_potential``) and drawn exactly as one block (``block``)."""
 
-        means, errors, sizes, rhats = {}, {}, {}, []
-        total = float(self.num_chains * self.num_samples)
-        for name, x in values.items():
-            moving = x.std(axis=(0, 1)) > 1e-12
-            with np.errstate(invalid="ignore", divide="ignore"):  # chains stuck on one value
-                size = np.where(moving, arviz_interop.ess(x), total) if moving.any() else np.full(x.shape[2:], total)
-                if moving.any() and self.num_chains > 1:
-                    rhats.append(np.nanmax(np.where(moving, arviz_interop.rhat(x), np.nan)))
-            means[name] = torch.from_numpy(x.mean(axis=(0, 1)))
-            sizes[name] = torch.from_numpy(np.asarray(size, dtype=float))
-            errors[name] = torch.from_numpy(x.std(axis=(0, 1)) / np.sqrt(size))
-        inference_data = arviz_interop.from_arrays(
-            {"posterior": draws},
-            dims={
-                "z": ["sentence", "node"],
-                "h": ["sentence", "channel", "node"],
-                "g": ["sentence", "token"],
-            },
-        )
-        dtype = crf.unary.dtype  # the Posterior contract: the CRF's dtype (the averages run in float64)
-        marginal = {name: value.to(dtype) for name, value in means.items()}
-        return GibbsResult(
-            marginals=Posterior(z=marginal["z"], h=marginal["h"], g=marginal.get("g")),
-            standard_error=Posterior(z=errors["z"], h=errors["h"], g=errors.get("g")),
-            effective_sample_size=Posterior(z=sizes["z"], h=sizes["h"], g=sizes.get("g")),
-            rhat=float(max(rhats)) if rhats else float("nan"),
-            inference_data=inference_data,
-        )
+    sizes: tuple[int, int, int, int, int, int]  # B, n, N, d, C, G
+    unary: object  # [B, N, d]
+    table: object  # [K, C, d, d]
+    binary: object  # the CRF's binary table of globals, or None without globals
+    groups: object  # [N, N] distance group of each arc
+    has_head: object  # [B, N]
+    token_mask: object  # [B, n]
+    illegal: object  # [B, 1, N(dependent), N(head)]
+    channel: object  # [1, C, 1]
+    extra_terms: tuple  # functions of z: the extra templates' log-potentials
+
+    @classmethod
+    def of(cls, crf, tokens, mask) -> _CollapsedCRF:
+        import jax.numpy as jnp
+
+        B, n = mask.shape
+        N, d, C, G = crf.topology.num_nodes(n), crf.labels, crf.channels, crf.global_labels
+        with torch.no_grad():
+            arcs_t = crf.arc_mask(mask)
+            unary = jnp.asarray(crf.input_table(tokens, mask).double().cpu().numpy())
+            table = jnp.asarray(crf.ternary_tensor().double().cpu().numpy())  # [K, C, d, d]
+            binary = jnp.asarray(crf.binary.double().cpu().numpy()) if G else None
+        arcs = jnp.asarray(arcs_t.cpu().numpy())
+        has_head = arcs.any(-1)  # [B, N]
+        groups = jnp.asarray(crf.distance_groups(n).numpy())
+        token_mask = jnp.asarray(mask.cpu().numpy())
+        channel = jnp.arange(C)[None, :, None]
+        illegal = ~arcs[:, None, :, :]  # [B, 1, N(dependent), N(head)]
+        nodes = crf.node_mask(mask)
+        extra_terms = tuple(_extra_term(factor, tokens, mask, nodes, unary.dtype) for factor in crf.factors)
+        sizes = (B, n, N, d, C, G)
+        return cls(sizes, unary, table, binary, groups, has_head, token_mask, illegal, channel, extra_terms)
+
+    def conditionals(self, z):
+        """Log-conditionals of every head [B, C, N, N] and global [B, n, G] given z [B, N]."""
+        import jax.numpy as jnp
+
+        B, n, N, _, C, G = self.sizes
+        z_dep = jnp.broadcast_to(z[:, None, :, None], (B, C, N, N))
+        z_head = jnp.broadcast_to(z[:, None, None, :], (B, C, N, N))
+        group = jnp.broadcast_to(self.groups[None, None], (B, C, N, N))
+        head = self.table[group, self.channel[..., None], z_dep, z_head]
+        head = jnp.where(self.illegal, -1e30, head)  # exp(-1e30) is exactly zero
+        glob = self.binary.T[z[:, :n]] if G else None
+        return head, glob
+
+    def log_potential(self, z):
+        """The log-potential of the labels z ``[B, N]``, heads and globals summed out, summed
+        over the batch."""
+        import jax
+        import jax.numpy as jnp
+
+        head, glob = self.conditionals(z)
+        score = jnp.take_along_axis(self.unary, z[..., None], -1).sum()
+        score += jnp.where(self.has_head[:, None, :], jax.nn.logsumexp(head, -1), 0.0).sum()
+        if self.sizes[-1]:
+            score += jnp.where(self.token_mask, jax.nn.logsumexp(glob, -1), 0.0).sum()
+        for term in self.extra_terms:
+            score += term(z)
+        return score
+
+    def block(self, key, z):
+        """``(h, p(h | z), g, p(g | z))``: one exact draw of every head and global given z, and
+        their conditionals (0 where a node has no head, or past the tokens)."""
+        import jax
+        import jax.numpy as jnp
+
+        head, glob = self.conditionals(z)
+        key_h, key_g = jax.random.split(key)
+        h = jax.random.categorical(key_h, head)
+        head_p = jnp.where(self.has_head[:, None, :, None], jax.nn.softmax(head, -1), 0.0)
+        if not self.sizes[-1]:
+            return h, head_p, None, None
+        g = jax.random.categorical(key_g, glob)
+        return h, head_p, g, jnp.where(self.token_mask[..., None], jax.nn.softmax(glob, -1), 0.0)
+
+
+def _block_draws(collapsed: _CollapsedCRF, z_draws, key_block, node_mask: np.ndarray):
+    """``(draws, values)``: the draws z, h (and g) ``[chain, draw, B, ...]``, the heads and
+    globals drawn given each z; and the per-draw values whose means are the marginals (z
+    indicators, the exact h and g conditionals)."""
+    import jax
+
+    B, n, N, d, C, G = collapsed.sizes
+    flat = z_draws.reshape((-1, B, N))
+    keys = jax.random.split(key_block, flat.shape[0])
+    h, head_p, g, glob_p = jax.vmap(collapsed.block)(keys, flat)
+    shape = z_draws.shape[:2]
+    draws = {"z": np.asarray(z_draws), "h": np.asarray(h).reshape(shape + (B, C, N))}
+    values = {
+        "z": np.eye(d)[draws["z"]] * node_mask[..., None],
+        "h": np.asarray(head_p).reshape(shape + (B, C, N, N)),
+    }
+    if G:
+        draws["g"] = np.asarray(g).reshape(shape + (B, n))
+        values["g"] = np.asarray(glob_p).reshape(shape + (B, n, G))
+    return draws, values
+
+
+def _summaries(values: dict, total: float):
+    """``(means, errors, sizes, rhat)``: per value ``[chain, draw, ...]`` its mean, Monte-Carlo
+    standard error ``std / sqrt(ESS)`` and bulk ESS (torch, float64; values that never move get
+    ``total``, the raw number of draws), and the largest R-hat over the values that move (NaN
+    with one chain)."""
+    means, errors, sizes, rhats = {}, {}, {}, []
+    for name, x in values.items():
+        moving = x.std(axis=(0, 1)) > 1e-12
+        with np.errstate(invalid="ignore", divide="ignore"):  # chains stuck on one value
+            size = np.where(moving, arviz_interop.ess(x), total) if moving.any() else np.full(x.shape[2:], total)
+            if moving.any() and x.shape[0] > 1:
+                rhats.append(np.nanmax(np.where(moving, arviz_interop.rhat(x), np.nan)))
+        means[name] = torch.from_numpy(x.mean(axis=(0, 1)))
+        sizes[name] = torch.from_numpy(np.asarray(size, dtype=float))
+        errors[name] = torch.from_numpy(x.std(axis=(0, 1)) / np.sqrt(size))
+    return means, errors, sizes, float(max(rhats)) if rhats else float("nan")
 
 
 def _extra_term(factor, tokens, mask, nodes, dtype):
