@@ -36,7 +36,6 @@ Options (each a named constructor argument):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -51,26 +50,12 @@ from inference.mean_field.kernels import head_kernels
 from inference.mean_field.kernels.head_kernels import HeadStructure
 from inference.mean_field.kernels.null_softmax import softmax_with_null
 from inference.mean_field.message_weights import MessageWeights, MupScales
-from inference.mean_field.options import KERNELS, SCHEDULES, MeanFieldOptions
+from inference.mean_field.options import KERNELS, SCHEDULES, MeanFieldOptions, OptionView
 from inference.mean_field.projections import GemmTables, back_project, project
 from inference.mean_field.schedules import Batch, LayerSteps
 from inference.posterior import Posterior
 
 __all__ = ["MeanField", "MeanFieldOptions", "MessageWeights", "MupScales", "SCHEDULES", "KERNELS"]
-
-
-class _Option:
-    """An engine attribute that reads and writes one field of the engine's frozen
-    ``options``: writing replaces the options with a copy holding the new value."""
-
-    def __set_name__(self, owner, name: str):
-        self.name = name
-
-    def __get__(self, engine, owner=None):
-        return self if engine is None else getattr(engine.options, self.name)
-
-    def __set__(self, engine, value):
-        engine.options = dataclasses.replace(engine.options, **{self.name: value})
 
 
 class MeanField(nn.Module):
@@ -109,23 +94,23 @@ class MeanField(nn.Module):
     """
 
     # the constructor's settings, as attributes (read and written through ``options``)
-    iterations = _Option()
-    schedule = _Option()
-    mup = _Option()
-    kernel = _Option()
-    dropout = _Option()
-    damping = _Option()
-    step_size = _Option()
-    weights = _Option()
-    mup_scales = _Option()
-    halting = _Option()
-    halting_source = _Option()
-    act_epsilon = _Option()
-    exit_threshold = _Option()
-    span_max = _Option()
-    span_ramp = _Option()
-    memory_topk = _Option()
-    initial_head_logits = _Option()
+    iterations = OptionView()
+    schedule = OptionView()
+    mup = OptionView()
+    kernel = OptionView()
+    dropout = OptionView()
+    damping = OptionView()
+    step_size = OptionView()
+    weights = OptionView()
+    mup_scales = OptionView()
+    halting = OptionView()
+    halting_source = OptionView()
+    act_epsilon = OptionView()
+    exit_threshold = OptionView()
+    span_max = OptionView()
+    span_ramp = OptionView()
+    memory_topk = OptionView()
+    initial_head_logits = OptionView()
 
     def __init__(
         self,

@@ -11,12 +11,12 @@ new value, unchecked, as a plain attribute write always was.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from inference.mean_field.halting import HALTING, HALTING_SOURCES
 from inference.mean_field.message_weights import MessageWeights, MupScales, labels_and_heads
 
-__all__ = ["MeanFieldOptions", "SCHEDULES", "KERNELS", "INITIAL_HEAD_LOGITS"]
+__all__ = ["MeanFieldOptions", "OptionView", "SCHEDULES", "KERNELS", "INITIAL_HEAD_LOGITS"]
 
 SCHEDULES = ("async", "parallel", "sequential", "macaron")
 INITIAL_HEAD_LOGITS = ("none", "ones")
@@ -162,3 +162,17 @@ def _check_span_memory_initial(span, span_max, span_ramp, memory_topk, initial_h
         raise ValueError(f"memory_topk must be an integer >= 1, got {memory_topk!r}")
     if initial_head_logits not in INITIAL_HEAD_LOGITS:
         raise ValueError(f"initial_head_logits must be one of {list(INITIAL_HEAD_LOGITS)}, got {initial_head_logits!r}")
+
+
+class OptionView:
+    """A class attribute of an engine that reads and writes one field of the engine's frozen
+    ``options``: writing replaces the options with a copy holding the new value."""
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else getattr(engine.options, self.name)
+
+    def __set__(self, engine, value):
+        engine.options = replace(engine.options, **{self.name: value})
