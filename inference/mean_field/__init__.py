@@ -1,5 +1,6 @@
 """The mean-field engine (the Probabilistic Transformer): ``engine`` holds ``MeanField``,
-``schedules`` the update, ``bound`` the ELBO, ``kernels/`` the head (attention) kernels."""
+``options`` its frozen settings (``MeanFieldOptions``), ``schedules`` the update, ``bound``
+the ELBO, ``kernels/`` the head (attention) kernels."""
 
 from inference.mean_field.engine import MeanField, MessageWeights, MupScales
 
