@@ -29,10 +29,17 @@ def _positions(size) -> tuple[torch.Tensor, torch.Tensor]:
     return pos[:, None], pos[None, :]
 
 
-def _offsets(n: int) -> torch.Tensor:
-    """``offsets[i, j] = j - i``: head position relative to the dependent."""
+def _heads_within(n: int, left: float, right: float) -> torch.Tensor:
+    """Bool ``[n, n]``: ``-left <= j - i <= right`` (head j relative to dependent i). Built
+    from comparisons of the ``[n]`` positions, so no ``[n, n]`` integer table is made: a
+    long sentence's mask costs its bytes and no more."""
     pos = torch.arange(n)
-    return pos[None, :] - pos[:, None]
+    heads, dependents = pos[None, :], pos[:, None]
+    if math.isinf(left):
+        return heads <= dependents + right
+    if math.isinf(right):
+        return heads >= dependents - left
+    return (heads >= dependents - left) & (heads <= dependents + right)
 
 
 def full() -> Topology:
@@ -42,19 +49,19 @@ def full() -> Topology:
 
 def causal() -> Topology:
     """Token i may choose only earlier tokens j < i (a decoder). Token 0 has no head."""
-    return _as_text(Topology("causal()", (), lambda n: _offsets(n) < 0, (math.inf, 0)))
+    return _as_text(Topology("causal()", (), lambda n: _heads_within(n, math.inf, -1), (math.inf, 0)))
 
 
 def chain() -> Topology:
     """Token i may choose only its left neighbour i - 1 (a linear chain: with a
     ``graphs.factors.Pairwise`` on it, the linear-chain CRF). Token 0 has no head."""
-    return _as_text(Topology("chain()", (), lambda n: _offsets(n) == -1, (1, 0)))
+    return _as_text(Topology("chain()", (), lambda n: _heads_within(n, 1, -1), (1, 0)))
 
 
 def window(w: int) -> Topology:
     """Token i may choose tokens j with 0 < |i - j| <= w (local attention, no wrap-around)."""
     w = check_positive("window width w", w, MAX_REACH)
-    return _as_text(Topology(f"window({w})", (), lambda n: _offsets(n).abs() <= w, (w, w)))
+    return _as_text(Topology(f"window({w})", (), lambda n: _heads_within(n, w, w), (w, w)))
 
 
 def star(wrap: bool = False) -> Topology:
@@ -149,9 +156,10 @@ def segments(length: int, causal: bool = False) -> Topology:
 
     def build(n: int) -> torch.Tensor:
         seg = torch.arange(n) // length
-        gap = seg[:, None] - seg[None, :]  # dependent's segment minus head's segment
-        same = (gap == 0) & (_offsets(n) < 0) if causal else gap == 0
-        return same | (gap == 1)
+        same = seg[:, None] == seg[None, :]  # comparisons of [n] positions: no [n, n] integer table
+        if causal:
+            same &= _heads_within(n, math.inf, -1)
+        return same | (seg[:, None] == seg[None, :] + 1)  # the previous segment
 
     name = f"segments({length}, causal=True)" if causal else f"segments({length})"
     return _as_text(Topology(name, (), build, segment_length=length))
