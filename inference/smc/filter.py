@@ -94,7 +94,7 @@ class SMC:
         record_ancestors: keep every step's ancestors ``[T, B, N]`` (int64) in the result;
             False: ``SMCResult.ancestors`` is None, and a step writes its ancestors into one
             buffer of the run (T x B x N x 8 bytes less memory, and no writes to memory out
-            of cache: 2-3% faster at B = 64, N = 1,000, T = 50 on one CPU thread).
+            of cache: a little faster; docs/benchmarks.md, "SMC vs SMCFilter").
     """
 
     def __init__(

@@ -47,9 +47,10 @@ def _limits(dtype: torch.dtype) -> tuple[float, float, float]:
     the loop, so that a row is reset to uniform by arithmetic (0 * -inf would be NaN); it is
     reported as -inf. Relative weights below sqrt(smallest normal number) (log: ``flush``)
     are flushed to exactly 0: they are far below what a sum or a cumulative sum against the
-    largest (1) can resolve, and exp() of numbers whose exp is subnormal, or -inf, runs ~50x
-    slower on CPUs (degenerate weights are full of them): exp of the value clamped at
-    ``flush``, then 0 at or below ``flushed`` (just above exp(flush) in any rounding)."""
+    largest (1) can resolve, and exp() of numbers whose exp is subnormal, or -inf, runs far
+    slower on CPUs (docs/benchmarks.md; degenerate weights are full of them): exp of the
+    value clamped at ``flush``, then 0 at or below ``flushed`` (just above exp(flush) in any
+    rounding)."""
     info = torch.finfo(dtype)
     flush = math.log(info.tiny) / 2
     return info.min, flush, math.exp(flush) * 1.001

@@ -53,9 +53,9 @@ class SystematicResampler:
         and the largest weight of a row is 1 (the filter's weights): totals in [1, N]."""
         B, N = batch, num_particles
         # the steps N w_j / total in units of 2**-shift, in float32 or float64 (half precision
-        # overflows at 2**16); their cumulative sum in int64 fixed point: exact, and on CPUs ~2.5x
-        # faster than a floating-point one (which accumulates float32 in float64). The shift
-        # leaves room for N + 1 positions below 2**63
+        # overflows at 2**16); their cumulative sum in int64 fixed point: exact, and on CPUs
+        # faster than a floating-point one (which accumulates float32 in float64;
+        # docs/benchmarks.md). The shift leaves room for N + 1 positions below 2**63
         wide = (torch.float32, torch.float64)
         if steps is None or steps.dtype not in wide:
             steps_dtype = dtype if dtype in wide else torch.float32
