@@ -51,7 +51,7 @@ from graphs import topology as topologies
 from graphs.crf_model import ModelScope, write_model
 from graphs.device_checks import refuse_unless
 from graphs.distances import distance_cuts, distance_groups
-from graphs.factors import BUILT_IN, Factor, Global, Ternary, Unary
+from graphs.factors import Global, Ternary, Unary, check_templates
 from graphs.inputs import check_assignment, check_embeddings, check_tokens
 from graphs.limits import LIMITS, MAX_EMBEDDING_SIZE, MAX_PARAMETERS, check_parameter_count, check_size
 from graphs.ternary import TERNARY_FORMS
@@ -113,54 +113,37 @@ class CRF(nn.Module):
         embedding_size: int | None = None,
     ):
         super().__init__()
-        if (vocab_size is None) == (embedding_size is None):
-            raise ValueError(
-                f"give exactly one of vocab_size (token ids in) and embedding_size (embeddings in), "
-                f"got vocab_size={vocab_size!r}, embedding_size={embedding_size!r}"
-            )
-        if embedding_size is not None:
-            check_size("embedding_size", embedding_size, minimum=1, maximum=MAX_EMBEDDING_SIZE)
-        else:
-            check_size("vocab_size", vocab_size, minimum=1)
-        check_size("labels", labels, minimum=1)
-        check_size("channels", channels, minimum=1)
-        rank = labels if rank is None else rank
-        check_size("rank", rank, minimum=1)
-        check_size("global_labels", global_labels, minimum=0)
+        rows, rank = _check_sizes(vocab_size, embedding_size, labels, channels, rank, global_labels)
         self.distance_cuts = distance_cuts(gamma)
         gamma = len(self.distance_cuts)  # buckets per direction, minus one
         check_size("ternary_blocks", ternary_blocks, minimum=1)
-        rows = vocab_size if embedding_size is None else embedding_size
         check_parameter_count(rows, labels, channels, rank, global_labels, gamma, ternary_blocks)
         ternary.check_form(ternary_form)
+        _check_global_memory(global_memory, global_labels, labels)
         self.ternary_form, self.ternary_blocks = ternary_form, ternary_blocks
-        if global_memory not in GLOBAL_MEMORIES:
-            raise ValueError(f"global_memory must be one of {list(GLOBAL_MEMORIES)}, got {global_memory!r}")
-        sub_keys = math.isqrt(global_labels)
-        if global_memory == "product_key" and (global_labels < 1 or sub_keys**2 != global_labels or labels < 2):
-            raise ValueError(
-                f"global_memory='product_key' needs global_labels = s^2 >= 1 and labels >= 2, got {global_labels}"
-            )
         self.global_memory = global_memory
         self.vocab_size, self.labels, self.channels, self.rank = vocab_size, labels, channels, rank
         self.embedding_size = embedding_size
         self.global_labels, self.gamma = global_labels, gamma
         self.topology = topologies.parse(topology if topology is not None else "full")
         self.num_groups = 2 * (gamma + 1) + (1 if self.topology.extra_nodes else 0)
+        self._create_parameters(rows)
+        self.factors = nn.ModuleList(check_templates(self, factors))
 
-        # Initialisation as the reference PT (pt-spec.md §2.3): xavier-uniform unary,
-        # N(0, 1/r) low-rank factors, N(0, 1/d) binary.
+    def _create_parameters(self, rows: int) -> None:
+        """Initialisation as the reference PT (pt-spec.md §2.3): xavier-uniform unary,
+        N(0, 1/r) low-rank factors, N(0, 1/d) binary."""
+        labels, global_labels = self.labels, self.global_labels
         self.unary = nn.Parameter(nn.init.xavier_uniform_(torch.empty(rows, labels)))  # [V, d] or [D, d]
-        ternary.create(self, ternary_form, self.num_groups, channels, labels, rank, ternary_blocks)
+        ternary.create(self, self.ternary_form, self.num_groups, self.channels, labels, self.rank, self.ternary_blocks)
         if global_labels:
             self.binary = nn.Parameter(torch.randn(global_labels, labels) * labels**-0.5)
         else:
             self.register_parameter("binary", None)
-        if global_memory == "product_key":
-            half = labels // 2
+        if self.global_memory == "product_key":
+            sub_keys, half = math.isqrt(global_labels), labels // 2
             self.memory_keys_first = nn.Parameter(torch.randn(sub_keys, half) * half**-0.5)
             self.memory_keys_second = nn.Parameter(torch.randn(sub_keys, labels - half) * (labels - half) ** -0.5)
-        self.factors = nn.ModuleList(_check_factors(self, factors))
 
     def extra_repr(self) -> str:
         form = "" if self.ternary_form == "low_rank" else f", ternary_form={self.ternary_form!r}"
@@ -279,7 +262,9 @@ class CRF(nn.Module):
         self._check_reads("token ids")
         return check_tokens(tokens, mask, self.vocab_size)
 
-    def _check_factor_graph(self) -> None:
+    def check_factor_graph(self) -> None:
+        """Raise unless this CRF is a factor graph whose potential engines can score (a
+        product-key memory is not: its keys score and its values message)."""
         if self.global_memory != "dense":
             raise ValueError(
                 "a product-key memory is not a CRF factor (keys score, values message): the potential and "
@@ -310,7 +295,7 @@ class CRF(nn.Module):
         for nodes with no legal head); g: ``[B, n]`` global values (needed iff global_labels).
         An illegal head gives ``-inf`` (the assignment has zero potential).
         """
-        self._check_factor_graph()
+        self.check_factor_graph()
         tokens, mask = self.check_inputs(tokens, mask)
         self.check_parameters()
         B, n = tokens.shape
@@ -368,30 +353,38 @@ class CRF(nn.Module):
         never heads; a node with no legal head in a channel gets no head site.
         ``embeddings [B, n, D]`` instead of ``tokens`` for a CRF with ``embedding_size``.
         """
-        self._check_factor_graph()
+        self.check_factor_graph()
         inputs, mask = self.check_any(tokens, mask, embeddings)
         self.check_parameters()
         write_model(self, inputs, mask)  # graphs.crf_model
 
 
-def _check_factors(crf, extra) -> list:
-    """The extra templates, each a ``graphs.Factor`` that fits ``crf``, with unique site names."""
-    if isinstance(extra, Factor) or not isinstance(extra, list | tuple):
-        raise TypeError(f"factors must be a list of graphs.Factor templates, got {type(extra).__name__}")
-    names = set()
-    for k, factor in enumerate(extra):
-        if not isinstance(factor, Factor):
-            kind = type(factor).__name__
-            built_in = f" ({kind} is built in: every CRF has it)" if kind in BUILT_IN else ""
-            raise TypeError(
-                f"factors[{k}] must be a graphs.Factor (e.g. graphs.factors.Pairwise){built_in}, got {factor!r}"
-            )
-        factor.check(crf)
-        if factor.name is None:
-            factor.name = f"{type(factor).__name__.lower()}{k}"
-        if factor.name in names or not isinstance(factor.name, str):
-            raise ValueError(
-                f"factors[{k}] has the name {factor.name!r} of another factor: names must be unique strings"
-            )
-        names.add(factor.name)
-    return list(extra)
+def _check_sizes(vocab_size, embedding_size, labels, channels, rank, global_labels) -> tuple[int, int]:
+    """``(rows of the unary table, rank)``: exactly one of ``vocab_size`` (token ids in) and
+    ``embedding_size`` (embeddings in), every size an integer in its range; the rank
+    defaults to the number of labels."""
+    if (vocab_size is None) == (embedding_size is None):
+        raise ValueError(
+            f"give exactly one of vocab_size (token ids in) and embedding_size (embeddings in), "
+            f"got vocab_size={vocab_size!r}, embedding_size={embedding_size!r}"
+        )
+    if embedding_size is not None:
+        check_size("embedding_size", embedding_size, minimum=1, maximum=MAX_EMBEDDING_SIZE)
+    else:
+        check_size("vocab_size", vocab_size, minimum=1)
+    check_size("labels", labels, minimum=1)
+    check_size("channels", channels, minimum=1)
+    rank = labels if rank is None else rank
+    check_size("rank", rank, minimum=1)
+    check_size("global_labels", global_labels, minimum=0)
+    return (vocab_size if embedding_size is None else embedding_size), rank
+
+
+def _check_global_memory(global_memory: str, global_labels: int, labels: int) -> None:
+    if global_memory not in GLOBAL_MEMORIES:
+        raise ValueError(f"global_memory must be one of {list(GLOBAL_MEMORIES)}, got {global_memory!r}")
+    sub_keys = math.isqrt(global_labels)
+    if global_memory == "product_key" and (global_labels < 1 or sub_keys**2 != global_labels or labels < 2):
+        raise ValueError(
+            f"global_memory='product_key' needs global_labels = s^2 >= 1 and labels >= 2, got {global_labels}"
+        )

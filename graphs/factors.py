@@ -40,7 +40,7 @@ from torch import nn
 
 from graphs import topology as topologies
 
-__all__ = ["Factor", "Unary", "Ternary", "Global", "Pairwise", "BUILT_IN", "factor_site"]
+__all__ = ["Factor", "Unary", "Ternary", "Global", "Pairwise", "BUILT_IN", "factor_site", "check_templates"]
 
 
 def factor_site(name: str, log_factor: torch.Tensor, template: str) -> None:
@@ -278,3 +278,26 @@ class Ternary(_BuiltIn):
 
 
 BUILT_IN = ("Unary", "Global", "Ternary")
+
+
+def check_templates(crf, extra) -> list:
+    """A CRF's extra templates ``extra``, each a ``graphs.Factor`` that fits ``crf``, with unique site names."""
+    if isinstance(extra, Factor) or not isinstance(extra, list | tuple):
+        raise TypeError(f"factors must be a list of graphs.Factor templates, got {type(extra).__name__}")
+    names = set()
+    for k, factor in enumerate(extra):
+        if not isinstance(factor, Factor):
+            kind = type(factor).__name__
+            built_in = f" ({kind} is built in: every CRF has it)" if kind in BUILT_IN else ""
+            raise TypeError(
+                f"factors[{k}] must be a graphs.Factor (e.g. graphs.factors.Pairwise){built_in}, got {factor!r}"
+            )
+        factor.check(crf)
+        if factor.name is None:
+            factor.name = f"{type(factor).__name__.lower()}{k}"
+        if factor.name in names or not isinstance(factor.name, str):
+            raise ValueError(
+                f"factors[{k}] has the name {factor.name!r} of another factor: names must be unique strings"
+            )
+        names.add(factor.name)
+    return list(extra)

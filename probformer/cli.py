@@ -91,11 +91,28 @@ def build_parser() -> _Parser:
     parser.add_argument("--version", action="version", version=f"probformer {version()}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and warnings (also after the verb)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="VERB")
+    verbs = [
+        _demo_verb(commands),
+        _train_verb(commands),
+        _evaluate_verb(commands),
+        _diagnose_verb(commands),
+        _export_verb(commands),
+        *_mup_verbs(commands),
+        *_data_verbs(commands),
+    ]
+    for verb in verbs:
+        _debug_option(verb)
+    return parser
 
+
+def _demo_verb(commands) -> argparse.ArgumentParser:
     demo = _verb(commands, "demo", "oracles on a real sentence, then PT vs an equal-size BERT on PTB")
     demo.add_argument("--steps", type=int, default=0, help="shorten both training runs to N steps (0: the configs)")
     demo.add_argument("--out", default="runs/demo", help="where the runs go")
+    return demo
 
+
+def _train_verb(commands) -> argparse.ArgumentParser:
     train = _verb(
         commands,
         "train",
@@ -118,12 +135,18 @@ def build_parser() -> _Parser:
     train.add_argument(
         "--print-config", action="store_true", help="print the validated config (file + --set) as JSON and stop"
     )
+    return train
 
+
+def _evaluate_verb(commands) -> argparse.ArgumentParser:
     evaluate = _verb(commands, "evaluate", "metric table of a model (a run, checkpoint or torch-export folder)")
     evaluate.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     evaluate.add_argument("--task", required=True, choices=["mlm", "lm", "pos", "uas"], help="the metric")
     _data_options(evaluate, 0, "evaluate the first N sentences of the split (0: all)", "ptb, or ewt for pos/uas")
+    return evaluate
 
+
+def _diagnose_verb(commands) -> argparse.ArgumentParser:
     diagnose = _verb(
         commands, "diagnose", "per-layer ESS, Pareto k-hat, diversity and ELBO of a model (any model folder)"
     )
@@ -135,27 +158,33 @@ def build_parser() -> _Parser:
         action="store_true",
         help="PT only: add log Z by tempered SMC, the KL gap and PSIS k-hat per sentence (docs/diagnostics.md)",
     )
+    return diagnose
 
+
+def _export_verb(commands) -> argparse.ArgumentParser:
     export = _verb(commands, "export", "write a model for deployment (torch folder, torch.export .pt2 or ONNX)")
     export.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     export.add_argument("--format", default="torch", choices=["torch", "exported", "onnx"], help="the artefact")
     export.add_argument(
         "--out", required=True, help="a folder (torch), a .pt2 file (exported) or a .onnx file (onnx), as --format"
     )
+    return export
 
+
+def _mup_verbs(commands) -> list[argparse.ArgumentParser]:
     mup = _verb(commands, "mup", "μP tools: coordinate check and neighbourhood search (docs/mup.md)")
     mup_verbs = mup.add_subparsers(dest="mup_command", required=True, metavar="MUP_VERB")
     mup_commands.add_commands(mup_verbs, formatter_class=HelpFormatter)
+    return [mup, *mup_verbs.choices.values()]
 
+
+def _data_verbs(commands) -> list[argparse.ArgumentParser]:
     data = _verb(commands, "data", "data sets: fetch one into the local cache")
     data_verbs = data.add_subparsers(dest="data_command", required=True, metavar="DATA_VERB")
     fetch = _verb(data_verbs, "fetch", "download a pinned data set release, checksum-checked, into the cache")
     fetch.add_argument("name", metavar="NAME", help="the data set, e.g. ud-ewt")
     fetch.add_argument("--cache", help="cache folder (default: $PROBFORMER_DATA, else the user cache folder)")
-
-    for verb in (demo, train, evaluate, diagnose, export, mup, data, fetch, *mup_verbs.choices.values()):
-        _debug_option(verb)
-    return parser
+    return [data, fetch]
 
 
 def main(argv: list[str] | None = None) -> int:

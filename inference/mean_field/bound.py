@@ -30,7 +30,7 @@ def elbo(crf, steps: LayerSteps, logits, unary, mask, structure, kernel="naive",
     of the mean-field family, so always <= log Z. (None of this holds for a product-key
     memory, which is not a CRF factor: ``ValueError``.) ``terms``: the CRF's extra templates
     on this batch (their expected log-potentials)."""
-    crf._check_factor_graph()
+    crf.check_factor_graph()
     nodes = structure.nodes[..., None]
     log_q = logits.log_softmax(-1)
     q_z = log_q.exp() * nodes

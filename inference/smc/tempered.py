@@ -331,7 +331,7 @@ def _check_compilable(crf) -> None:
     from inference.declaration import compile_templates
 
     try:
-        crf._check_factor_graph()
+        crf.check_factor_graph()
         compile_templates(crf, "Gibbs")
     except ValueError as error:
         raise ValueError(f"TemperedSMC cannot compile this CRF (it compiles what Gibbs does): {error}") from None

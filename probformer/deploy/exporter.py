@@ -132,13 +132,43 @@ def export(
     the source's by more than ``tolerance`` anywhere; a failed export leaves nothing at
     ``path``.
     """
+    _check_options(format, max_length, tolerance)
+    _check_replaceable(Path(path))
+    model, vocabulary, undeclared = _source_model(model, vocabulary, format)
+    tokens, mask = _example(model, example)
+    expected = _logits_in_eval_mode(model, tokens, mask)
+    writer = {"torch": _write_folder, "exported": _write_exported, "onnx": _write_onnx}[format]
+
+    def write_and_check(target: Path) -> None:
+        _write_traced(writer, target, model, vocabulary, max_length, format, undeclared)
+        with torch.no_grad():
+            found = load(target)(tokens, mask)
+        error = (found.float() - expected.float()).abs().max().item()
+        if not error <= tolerance:
+            raise RuntimeError(f"the export differs from the source model by {error:.3g} > tolerance {tolerance:g}")
+
+    path = Path(path)
+    _replace(path, write_and_check)
+    return path
+
+
+def _check_options(format, max_length, tolerance) -> None:
     if format not in FORMATS:
         raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
-        raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 <= tolerance < float("inf"):
+    if max_length is not None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"max_length must be an integer >= 1, got {type(max_length).__name__} {max_length!r}")
+        if max_length < 1:
+            raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
+        raise TypeError(f"tolerance must be a finite number >= 0, got {type(tolerance).__name__} {tolerance!r}")
+    if not 0 <= tolerance < float("inf"):
         raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
-    _check_replaceable(Path(path))
+
+
+def _source_model(model, vocabulary, format: str) -> tuple[nn.Module, object, list[str]]:
+    """``(model, vocabulary, its undeclared user factors)``: a model folder loaded, and the
+    model checked exportable in ``format``."""
     if isinstance(model, str | Path):
         from probformer.training.evaluate import load_any
 
@@ -152,35 +182,30 @@ def export(
         _refuse_untraceable(kind, model, format)
     undeclared = pretrained.undeclared_factors(model)
     _refuse_undeclared_factors(undeclared, format)
-    tokens, mask = _example(model, example)
+    return model, vocabulary, undeclared
+
+
+def _logits_in_eval_mode(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     was_training = model.training
     model.eval()
     with torch.no_grad():
         expected = model(tokens, mask)[0]
     model.train(was_training)
-    writer = {"torch": _write_folder, "exported": _write_exported, "onnx": _write_onnx}[format]
+    return expected
 
-    def write_and_check(target: Path) -> None:
-        try:
-            writer(target, model, vocabulary, max_length)
-        except Exception as error:  # torch.export's and ONNX's errors have many types
-            if not undeclared:
-                raise
-            # a user factor is traced with the model (its messages by autograd): its own code
-            # may depend on the traced length or on values
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ValueError(
-                f"format {format!r} could not trace the PT with the user factor(s) {', '.join(undeclared)}: {first}"
-            ) from error
-        with torch.no_grad():
-            found = load(target)(tokens, mask)
-        error = (found.float() - expected.float()).abs().max().item()
-        if not error <= tolerance:
-            raise RuntimeError(f"the export differs from the source model by {error:.3g} > tolerance {tolerance:g}")
 
-    path = Path(path)
-    _replace(path, write_and_check)
-    return path
+def _write_traced(writer, target: Path, model, vocabulary, max_length, format: str, undeclared: list[str]) -> None:
+    try:
+        writer(target, model, vocabulary, max_length)
+    except Exception as error:  # torch.export's and ONNX's errors have many types
+        if not undeclared:
+            raise
+        # a user factor is traced with the model (its messages by autograd): its own code
+        # may depend on the traced length or on values
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"format {format!r} could not trace the PT with the user factor(s) {', '.join(undeclared)}: {first}"
+        ) from error
 
 
 def _is_export(path: Path) -> bool:

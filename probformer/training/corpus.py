@@ -31,73 +31,83 @@ class Corpus:
     windowed: dict[str, int] = field(default_factory=dict)  # sentences cut into windows: {"training": n, ...}
 
 
+@dataclass
+class _Split:
+    words: list[list[str]]
+    tags: list[list[str]] | None = None  # UPOS tags (ewt)
+    heads: list[list[int]] | None = None  # gold heads (ewt)
+
+    def first(self, count: int) -> _Split:
+        """The first ``count`` sentences (all when 0)."""
+        if not count:
+            return self
+        return _Split(self.words[:count], self.tags and self.tags[:count], self.heads and self.heads[:count])
+
+
 def prepare_corpus(config: run_config.DataConfig, vocabulary=None, tags=None) -> Corpus:
     """Read, split and encode the data of ``config``; ``vocabulary`` (and ``tags``) from
     a checkpoint replace the ones built from the training data."""
-    heads = None
-    if config.source == "ptb":
-        train_words = data.ptb_sentences("train")
-        valid_words = data.ptb_sentences("valid")
-        train_tags = valid_tags = None
-    elif config.source == "ewt":
-        train_trees = data.read_conllu(data.ewt_path("train"))
-        valid_trees = data.read_conllu(data.ewt_path("dev"))
-        train_words, valid_words = [s.words for s in train_trees], [s.words for s in valid_trees]
-        train_tags, valid_tags = [s.upos for s in train_trees], [s.upos for s in valid_trees]
-        heads = [s.heads for s in valid_trees]
-    else:  # a text file or folder, or a Hugging Face dataset (hf:...)
-        splits = data.text_splits(config.source)
-        train_words = [line.split() for line in splits["train"]]
-        valid_words = [line.split() for line in splits["valid"]]
-        train_tags = valid_tags = None
-        if vocabulary is None:
-            vocabulary = data.SubwordVocabulary.train(splits["train"], config.vocabulary)
-    if config.train_sentences:
-        train_words = train_words[: config.train_sentences]
-        train_tags = train_tags and train_tags[: config.train_sentences]
-    if config.valid_sentences:
-        valid_words = valid_words[: config.valid_sentences]
-        valid_tags = valid_tags and valid_tags[: config.valid_sentences]
-        heads = heads and heads[: config.valid_sentences]
-    if not train_words or not valid_words:
+    train, valid, subword_lines = _read_splits(config.source)
+    train, valid = train.first(config.train_sentences), valid.first(config.valid_sentences)
+    if not train.words or not valid.words:
         raise ValueError(f"data.source {config.source!r} gave an empty training or validation set")
+    if vocabulary is None and subword_lines is not None:
+        vocabulary = data.SubwordVocabulary.train(subword_lines, config.vocabulary)
     if vocabulary is None:
-        vocabulary = data.Vocabulary.build(train_words, max_size=config.vocabulary)
+        vocabulary = data.Vocabulary.build(train.words, max_size=config.vocabulary)
     if config.task == "pos":
-        tags = tags or sorted({t for sentence in train_tags for t in sentence})
+        tags = tags or sorted({t for sentence in train.tags for t in sentence})
     tag_index = {t: i for i, t in enumerate(tags or [])}
-
     windowed = {}
-
-    def encode(words, sentence_tags, split):
-        examples, too_long = [], []
-        for number, sentence in enumerate(words):
-            ids = vocabulary.encode(sentence)
-            if not ids:  # a line the tokenizer reduces to nothing: no token to learn from
-                continue
-            labels = None
-            if config.task == "pos":
-                unknown = set(sentence_tags[number]) - set(tag_index)
-                if unknown:
-                    raise ValueError(f"{split} sentence #{number} has tags {sorted(unknown)} unseen in training")
-                labels = [tag_index[t] for t in sentence_tags[number]]
-            if len(ids) > config.max_length:
-                too_long.append(len(ids))
-            examples += windows(ids, labels, config.max_length)
-        if too_long and config.long_sentences == "error":
-            raise ValueError(
-                f"{len(too_long)} {split} sentences are longer than data.max_length={config.max_length} "
-                f'(longest: {max(too_long)}); raise data.max_length, or set data.long_sentences = "windows" '
-                "to cut them into windows"
-            )
-        windowed[split] = len(too_long)
-        return examples
-
-    corpus = Corpus(
-        vocabulary, encode(train_words, train_tags, "training"), encode(valid_words, valid_tags, "validation")
-    )
-    corpus.tags, corpus.valid_heads, corpus.windowed = tags, heads, windowed
+    encoded = {}
+    for name, split in (("training", train), ("validation", valid)):
+        encoded[name], windowed[name] = _encode(split, name, config, vocabulary, tag_index)
+    corpus = Corpus(vocabulary, encoded["training"], encoded["validation"])
+    corpus.tags, corpus.valid_heads, corpus.windowed = tags, valid.heads, windowed
     return corpus
+
+
+def _read_splits(source: str) -> tuple[_Split, _Split, list[str] | None]:
+    """The training and validation splits of ``source``, and the training lines a subword
+    tokenizer learns from (None for PTB and EWT, which come split into words)."""
+    if source == "ptb":
+        return _Split(data.ptb_sentences("train")), _Split(data.ptb_sentences("valid")), None
+    if source == "ewt":
+        train, valid = data.read_conllu(data.ewt_path("train")), data.read_conllu(data.ewt_path("dev"))
+        return (
+            _Split([s.words for s in train], [s.upos for s in train]),
+            _Split([s.words for s in valid], [s.upos for s in valid], [s.heads for s in valid]),
+            None,
+        )
+    splits = data.text_splits(source)  # a text file or folder, or a Hugging Face dataset (hf:...)
+    words = {name: [line.split() for line in lines] for name, lines in splits.items()}
+    return _Split(words["train"]), _Split(words["valid"]), splits["train"]
+
+
+def _encode(split: _Split, name: str, config, vocabulary, tag_index: dict) -> tuple[list, int]:
+    """``(examples, sentences cut into windows)`` of one split; a sentence longer than
+    ``data.max_length`` stops the run unless ``data.long_sentences = "windows"``."""
+    examples, too_long = [], []
+    for number, sentence in enumerate(split.words):
+        ids = vocabulary.encode(sentence)
+        if not ids:  # a line the tokenizer reduces to nothing: no token to learn from
+            continue
+        labels = None
+        if config.task == "pos":
+            unknown = set(split.tags[number]) - set(tag_index)
+            if unknown:
+                raise ValueError(f"{name} sentence #{number} has tags {sorted(unknown)} unseen in training")
+            labels = [tag_index[t] for t in split.tags[number]]
+        if len(ids) > config.max_length:
+            too_long.append(len(ids))
+        examples += windows(ids, labels, config.max_length)
+    if too_long and config.long_sentences == "error":
+        raise ValueError(
+            f"{len(too_long)} {name} sentences are longer than data.max_length={config.max_length} "
+            f'(longest: {max(too_long)}); raise data.max_length, or set data.long_sentences = "windows" '
+            "to cut them into windows"
+        )
+    return examples, len(too_long)
 
 
 def windows(ids: list[int], labels: list[int] | None, max_length: int) -> list[tuple[list[int], list[int] | None]]:

@@ -403,8 +403,13 @@ def test_bad_export_requests_are_refused(tmp_path):
         probformer.export(pt(), tmp_path / "x", example=torch.tensor([[VOCAB]]))
     with pytest.raises(ValueError, match="max_length must be an integer"):
         probformer.export(pt(), tmp_path / "x", max_length=0)
-    for tolerance in (-1.0, float("nan"), float("inf"), "0.1"):
+    with pytest.raises(TypeError, match="max_length must be an integer"):
+        probformer.export(pt(), tmp_path / "x", max_length=2.0)
+    for tolerance in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="tolerance must be a finite number >= 0"):
+            probformer.export(pt(), tmp_path / "x", tolerance=tolerance)
+    for tolerance in ("0.1", True):
+        with pytest.raises(TypeError, match="tolerance must be a finite number >= 0"):
             probformer.export(pt(), tmp_path / "x", tolerance=tolerance)
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing half-written
 

@@ -228,9 +228,14 @@ def test_writers_tie_break_in_position_order(routing):
         ("clusters", 0, "clusters"),
         ("window", 0, "window"),
         ("width", 15, "divisible"),
-        ("pyramid", "yes", "pyramid"),
     ],
 )
 def test_config_errors_name_the_key(key, value, match):
     with pytest.raises(ValueError, match=match):
+        SwarmConfig(vocab_size=10, **{key: value})
+
+
+@pytest.mark.parametrize("key,value", [("pyramid", "yes"), ("clusters", 2.0), ("routing", 1)])
+def test_config_keys_of_the_wrong_type_are_type_errors_naming_the_key(key, value):
+    with pytest.raises(TypeError, match=f"config key '{key}' must be of type"):
         SwarmConfig(vocab_size=10, **{key: value})

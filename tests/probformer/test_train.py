@@ -157,7 +157,7 @@ def test_bad_input_is_caught_before_anything_is_written(tmp_path, mutate, error)
     config = tmp_path / "bad.toml"
     config.write_text(mutate(TINY.format(dropout=0.1, source="ptb", task="mlm", max_length=90, steps=2)))
     out = tmp_path / "out"
-    with pytest.raises((ValueError, FileNotFoundError), match=error):
+    with pytest.raises((ValueError, TypeError, FileNotFoundError), match=error):
         train(config, out, progress=False)
     assert not out.exists()
 
