@@ -9,7 +9,7 @@ sentences of random token ids (vocabulary 1,000), parameters at their initialisa
 
 1. ``inference.TemperedSMC`` (MeanField proposal, 4 iterations): wall time of ``run`` (the
    proposal, the pilot and the replicates), the per-sentence log Z and its standard error.
-2. One batched Gibbs sweep (``inference.smc.gibbs_moves.sweep``: every head and global, then
+2. One batched Gibbs sweep (``inference.smc.tempered.gibbs_moves.sweep``: every head and global, then
    ``--rounds`` label rounds) of the run's layout, timed per particle: one new state of all
    B sentences.
 3. ``inference.Gibbs`` (NumPyro ``DiscreteGibbs``, 1 chain) on the same CRF and batch: the
@@ -35,9 +35,9 @@ import torch  # noqa: E402
 
 import graphs  # noqa: E402
 import inference  # noqa: E402
-from inference.smc import gibbs_moves  # noqa: E402
-from inference.smc.tempered import TemperedSMC  # noqa: E402
-from inference.smc.tempered_target import compile_target  # noqa: E402
+from inference.smc.tempered import gibbs_moves  # noqa: E402
+from inference.smc.tempered.sampler import TemperedSMC  # noqa: E402
+from inference.smc.tempered.target import compile_target  # noqa: E402
 
 B, N, D, C, RANK, VOCAB = 16, 128, 32, 4, 16, 1000
 

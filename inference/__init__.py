@@ -29,8 +29,8 @@ _LAZY = {
     "GibbsResult": "inference.reference.gibbs",
     "SMC": "inference.smc.filter",
     "SMCResult": "inference.smc.filter",
-    "TemperedSMC": "inference.smc.tempered",
-    "TemperedSMCResult": "inference.smc.tempered",
+    "TemperedSMC": "inference.smc.tempered.sampler",
+    "TemperedSMCResult": "inference.smc.tempered.sampler",
     "mean_field_guide": "inference.reference.svi",
 }
 

@@ -1,6 +1,6 @@
 """Sequential Monte Carlo: the batched particle filter (``filter``; the state a run carries,
 ``filter_state``), the resamplers, a Pyro model's callables (``pyro_state_space``) and the
-tempered sampler for CRFs (``tempered``; its particle systems and steps, ``tempering``)."""
+tempered sampler for CRFs (``tempered/``: the sampler, its target, its steps and moves)."""
 
 import importlib
 

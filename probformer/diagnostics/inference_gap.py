@@ -81,7 +81,7 @@ def inference_gap(
     ``mean_field`` engine) on token ids ``tokens [B, n]`` (``mask [B, n]``, padding allowed).
     ``particles`` x ``replicates`` importance draws per sentence for k-hat (>= 21); the
     other arguments are ``inference.TemperedSMC``'s."""
-    from inference.smc.tempered import TemperedSMC
+    from inference.smc.tempered.sampler import TemperedSMC
 
     crf, engine = getattr(model, "crf", None), getattr(model, "mean_field", None)
     if crf is None or engine is None:

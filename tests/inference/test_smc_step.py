@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from inference import SMC
 from inference.smc.filter_state import LogWeights, Trace
 from inference.smc.resamplers import RESAMPLERS
-from inference.smc.tempering import Systems
+from inference.smc.tempered.tempering import Systems
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,9 +12,9 @@ import torch
 
 import graphs
 import inference
-from inference.smc import gibbs_moves
-from inference.smc.tempered import TemperedSMC
-from inference.smc.tempered_target import compile_target
+from inference.smc.tempered import gibbs_moves
+from inference.smc.tempered.sampler import TemperedSMC
+from inference.smc.tempered.target import compile_target
 from tests import oracles
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,7 +1,7 @@
 """The labels' marginal of the tempered target: heads and globals summed out in closed form.
 
 Given the labels z, every head H_i^c and global G_i of p_beta ∝ q^(1 - beta) gamma^beta is
-independent (``inference.smc.tempered_target``), so
+independent (``inference.smc.tempered.target``), so
 
     log p_beta(z) = (1 - beta) log q_z(z) + beta b(z)
                     + sum_{c, i has a head} log sum_j q_h[c, i, j]^(1 - beta) exp(beta T[k(i, j), c, z_i, z_j])
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from inference.smc.tempered_target import TemperedTarget
+from inference.smc.tempered.target import TemperedTarget
 
 __all__ = ["label_terms", "head_pass", "global_pass", "terms_at", "current_terms"]
 

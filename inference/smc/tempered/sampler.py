@@ -3,7 +3,7 @@ error and posterior marginals of any CRF the Gibbs engine compiles.
 
 The particles of every sentence start as exact draws from q (by default the mean-field
 posterior of the same CRF) and move along p_beta ∝ q^(1 - beta) gamma^beta, beta from 0 to 1
-(``inference.smc.tempered_target``: gamma is the CRF's unnormalised joint of labels, heads and
+(``inference.smc.tempered.target``: gamma is the CRF's unnormalised joint of labels, heads and
 globals). Each step
 
 1. picks the next beta per particle system by bisection on the conditional ESS (Zhou,
@@ -13,9 +13,9 @@ globals). Each step
 2. reweights: ``log Z += log sum_i W_i w_i`` (q is normalised, so Z_0 = 1);
 3. resamples the systems whose ESS fell below ``resample_threshold`` (``inference.smc.resamplers``);
 4. moves every particle with ``sweeps`` batched Gibbs sweeps at the new beta
-   (``inference.smc.gibbs_moves``), which leave p_beta invariant.
+   (``inference.smc.tempered.gibbs_moves``), which leave p_beta invariant.
 
-The particle systems and the parts of a step: ``inference.smc.tempering``.
+The particle systems and the parts of a step: ``inference.smc.tempered.tempering``.
 
 Along a fixed schedule Z-hat of one system is unbiased for Z; a schedule each system picks
 from its own particles biases it low by O(1/P). So by default a pilot run (one adaptive
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from inference.posterior import Posterior
-from inference.smc import collapsed_weights, gibbs_moves
 from inference.smc.resamplers import RESAMPLERS
-from inference.smc.tempered_target import TemperedTarget, compile_target
-from inference.smc.tempering import Systems
+from inference.smc.tempered import collapsed_weights, gibbs_moves
+from inference.smc.tempered.target import TemperedTarget, compile_target
+from inference.smc.tempered.tempering import Systems
 
 __all__ = ["TemperedSMC", "TemperedSMCResult"]
 
@@ -211,7 +211,7 @@ class TemperedSMC:
         """The tempering loop on every system of ``target``, weighing the labels alone
         (``collapsed_weights``): adaptive, or along ``schedule`` ``[T, S]`` (the beta of each
         system after each step; the head terms of a step's weights then come from one pass).
-        Each step: the next beta, reweigh, resample, move (``inference.smc.tempering``)."""
+        Each step: the next beta, reweigh, resample, move (``inference.smc.tempered.tempering``)."""
         adaptive = schedule is None
         systems, initial_log_ratio = Systems.start(target, self.num_particles, generator, adaptive)
         betas, esses = [systems.beta], []

@@ -1,4 +1,4 @@
-"""The particle systems of tempered SMC (``inference.smc.tempered``) and what one tempering step
+"""The particle systems of tempered SMC (``inference.smc.tempered.sampler``) and what one tempering step
 does to them: reweigh to the next beta, resample, move (Gibbs sweeps at the new beta, which
 leave p_beta invariant), then score the moved labels for the next step. Every system
 ``[S, P, ...]`` side by side; the weights read the labels alone (``collapsed_weights``)."""
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.smc import collapsed_weights, gibbs_moves
 from inference.smc.resamplers import resample_indices
-from inference.smc.tempered_target import TemperedTarget
+from inference.smc.tempered import collapsed_weights, gibbs_moves
+from inference.smc.tempered.target import TemperedTarget
 
 __all__ = ["Systems"]
 

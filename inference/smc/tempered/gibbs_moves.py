@@ -2,7 +2,7 @@
 particle at once, and every variable of a block updated together.
 
 The target at inverse temperature beta is p_beta ∝ q^(1 - beta) gamma^beta
-(``inference.smc.tempered_target``). A sweep is two exact block updates, each leaving p_beta
+(``inference.smc.tempered.target``). A sweep is two exact block updates, each leaving p_beta
 invariant:
 
 1. heads and globals given the labels: every H_i^c and G_i is conditionally independent
@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.smc.collapsed_weights import global_pass, head_pass
-from inference.smc.tempered_target import TemperedTarget
+from inference.smc.tempered.collapsed_weights import global_pass, head_pass
+from inference.smc.tempered.target import TemperedTarget
 
 __all__ = ["sweep", "sample_heads", "sample_globals", "update_labels", "label_logits"]
 
