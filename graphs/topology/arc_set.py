@@ -15,6 +15,7 @@ node (see ``graphs.CRF``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +44,11 @@ class Topology:
     ``build_rows(mask)`` is set where the arcs depend on the sentence length and not only
     on positions (contiguous ``clusters``): from a batch's token mask ``[B, n]`` it builds
     every row for its real length, ``[B, n + m, n + m]``. ``arcs(mask)`` uses it.
+
+    ``token_rule(i, j)``, where known, says whether token i may choose token j from their
+    positions alone (bool, for position tensors that broadcast; never a self-arc): a kernel
+    asks it for the blocks it reads instead of building the ``[n, n]`` table, so a long
+    sentence on a sparse topology costs memory linear in n. None: only ``mask(n)`` says.
     """
 
     name: str
@@ -53,6 +59,14 @@ class Topology:
     build_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
     data: dict | None = field(default=None, compare=False)  # how to store it (see to_data); None: it cannot be
     build_border: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # see border()
+    token_rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @functools.cached_property
+    def token_rule_transposed(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """``token_rule`` of the reversed arcs (may token j choose token i), one function per
+        topology, so a kernel's caches keyed on it hit on every batch."""
+        rule = self.token_rule
+        return None if rule is None else lambda i, j: rule(j, i)
 
     @property
     def n_max(self) -> int | None:
@@ -113,6 +127,8 @@ class Topology:
         m = self.extra_nodes
         if self.build_border is not None:
             return self.build_border(mask)
+        if m == 0:  # no virtual node: nothing to read from a table
+            return mask.new_zeros(batch, n, 0), mask.new_zeros(batch, 0, n)
         if self.build_rows is not None:  # no border of its own: sliced from the rows
             arcs = self.arcs(mask)
             return arcs[:, :n, n:], arcs[:, n:, :]
@@ -182,9 +198,15 @@ class Topology:
         if left.data is not None and right.data is not None:
             both_text = "text" in left.data and "text" in right.data
             data = {"text": f"{left.name} | {right.name}"} if both_text else {"union": [left.data, right.data]}
-        border = build_border if rows is not None else None
+        token_rule = None
+        if left.token_rule is not None and right.token_rule is not None:  # token arcs are OR-ed
+
+            def token_rule(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+                return left.token_rule(i, j) | right.token_rule(i, j)
+
         name = f"{left.name} | {right.name}"
-        return Topology(name, left.virtual + right.virtual, build, band, None, rows, data, build_border=border)
+        virtual = left.virtual + right.virtual
+        return Topology(name, virtual, build, band, None, rows, data, build_border=build_border, token_rule=token_rule)
 
     def __repr__(self) -> str:
         return f"Topology({self.name})"

@@ -29,39 +29,55 @@ def _positions(size) -> tuple[torch.Tensor, torch.Tensor]:
     return pos[:, None], pos[None, :]
 
 
-def _heads_within(n: int, left: float, right: float) -> torch.Tensor:
-    """Bool ``[n, n]``: ``-left <= j - i <= right`` (head j relative to dependent i). Built
-    from comparisons of the ``[n]`` positions, so no ``[n, n]`` integer table is made: a
-    long sentence's mask costs its bytes and no more."""
-    pos = torch.arange(n)
-    heads, dependents = pos[None, :], pos[:, None]
-    if math.isinf(left):
-        return heads <= dependents + right
-    if math.isinf(right):
-        return heads >= dependents - left
-    return (heads >= dependents - left) & (heads <= dependents + right)
+def _within(left: float, right: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The rule ``-left <= j - i <= right``, ``j != i`` (head j of dependent i), built from
+    comparisons of the position tensors: no integer table of their pairs is made."""
+
+    def rule(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        allowed = i != j
+        if not math.isinf(left):
+            allowed = allowed & (j >= i - left)
+        if not math.isinf(right):
+            allowed = allowed & (j <= i + right)
+        return allowed
+
+    return rule
+
+
+def _no_token_arcs(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.bool, device=i.device)
+
+
+def _by_rule(name: str, rule, band=None, segment_length=None) -> Topology:
+    """A built-in with no virtual node: its ``[n, n]`` mask is its rule over the positions."""
+
+    def build(n: int) -> torch.Tensor:
+        pos = torch.arange(n)
+        return rule(pos[:, None], pos[None, :])
+
+    return _as_text(Topology(name, (), build, band, segment_length, token_rule=rule))
 
 
 def full() -> Topology:
     """Every token may choose every other token (the PT / BERT encoder)."""
-    return _as_text(Topology("full()", (), lambda n: torch.ones(n, n, dtype=torch.bool), (math.inf, math.inf)))
+    return _by_rule("full()", _within(math.inf, math.inf), (math.inf, math.inf))
 
 
 def causal() -> Topology:
     """Token i may choose only earlier tokens j < i (a decoder). Token 0 has no head."""
-    return _as_text(Topology("causal()", (), lambda n: _heads_within(n, math.inf, -1), (math.inf, 0)))
+    return _by_rule("causal()", _within(math.inf, -1), (math.inf, 0))
 
 
 def chain() -> Topology:
     """Token i may choose only its left neighbour i - 1 (a linear chain: with a
     ``graphs.factors.Pairwise`` on it, the linear-chain CRF). Token 0 has no head."""
-    return _as_text(Topology("chain()", (), lambda n: _heads_within(n, 1, -1), (1, 0)))
+    return _by_rule("chain()", _within(1, -1), (1, 0))
 
 
 def window(w: int) -> Topology:
     """Token i may choose tokens j with 0 < |i - j| <= w (local attention, no wrap-around)."""
     w = check_positive("window width w", w, MAX_REACH)
-    return _as_text(Topology(f"window({w})", (), lambda n: _heads_within(n, w, w), (w, w)))
+    return _by_rule(f"window({w})", _within(w, w), (w, w))
 
 
 def star(wrap: bool = False) -> Topology:
@@ -80,7 +96,15 @@ def star(wrap: bool = False) -> Topology:
             ring = ring | (tokens & ((j - i).abs() == n - 1))
         return ring | ((i < n) & (j == n)) | ((i == n) & (j < n))  # tokens <-> relay
 
-    return _as_text(Topology(f"star(wrap={wrap})", ("relay",), build, None if wrap else (1, 1)))
+    def build_border(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        relay_row = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], 1)[:, None, :]  # the relay: every token
+        return mask[:, :, None], relay_row  # every token: the relay
+
+    ring = None if wrap else _within(1, 1)  # a wrapped ring's arcs depend on n: the table says
+    name = f"star(wrap={wrap})"
+    return _as_text(
+        Topology(name, ("relay",), build, None if wrap else (1, 1), build_border=build_border, token_rule=ring)
+    )
 
 
 def root() -> Topology:
@@ -91,7 +115,10 @@ def root() -> Topology:
         i, j = _positions(n + 1)
         return (i < n) & (j == n)
 
-    return _as_text(Topology("root()", ("root",), build, (0, 0)))
+    def build_border(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return mask[:, :, None], mask.new_zeros(mask.shape[0], 1, mask.shape[1] + 1)  # ROOT chooses none
+
+    return _as_text(Topology("root()", ("root",), build, (0, 0), build_border=build_border, token_rule=_no_token_arcs))
 
 
 def clusters(k: int, dynamic: bool = False) -> Topology:
@@ -138,7 +165,10 @@ def clusters(k: int, dynamic: bool = False) -> Topology:
 
     name = f"clusters({k}, dynamic=True)" if dynamic else f"clusters({k})"
     virtual = tuple(f"cluster{c}" for c in range(k))
-    return _as_text(Topology(name, virtual, build, (0, 0), build_rows=build_rows, build_border=build_border))
+    clustered = Topology(
+        name, virtual, build, (0, 0), build_rows=build_rows, build_border=build_border, token_rule=_no_token_arcs
+    )
+    return _as_text(clustered)
 
 
 def segments(length: int, causal: bool = False) -> Topology:
@@ -154,15 +184,15 @@ def segments(length: int, causal: bool = False) -> Topology:
     length = check_positive("segment length l", length, MAX_REACH)
     _check_flag("segments(causal=...)", causal)
 
-    def build(n: int) -> torch.Tensor:
-        seg = torch.arange(n) // length
-        same = seg[:, None] == seg[None, :]  # comparisons of [n] positions: no [n, n] integer table
-        if causal:
-            same &= _heads_within(n, math.inf, -1)
-        return same | (seg[:, None] == seg[None, :] + 1)  # the previous segment
+    earlier = _within(math.inf, -1)
+
+    def rule(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        own, heads = torch.div(i, length, rounding_mode="floor"), torch.div(j, length, rounding_mode="floor")
+        same = (own == heads) & (earlier(i, j) if causal else i != j)
+        return same | (own == heads + 1)  # or the previous segment
 
     name = f"segments({length}, causal=True)" if causal else f"segments({length})"
-    return _as_text(Topology(name, (), build, segment_length=length))
+    return _by_rule(name, rule, segment_length=length)
 
 
 def _as_text(topology: Topology) -> Topology:

@@ -203,7 +203,9 @@ class MeanField(nn.Module):
             gamma=crf.gamma,
             cuts=crf.distance_cuts,
             nodes=crf.node_mask(mask),
-            token_arcs=crf.topology.mask(n, tokens.device)[:n, :n],  # a cached copy per (n, device)
+            # the topology's rule where it has one (a kernel asks it for the blocks it reads),
+            # else its table: a cached copy per (n, device)
+            token_arcs=None if crf.topology.token_rule is not None else crf.topology.mask(n, tokens.device)[:n, :n],
             border=crf.topology.border(mask),
             band=crf.topology.band,
             prior=None if self.span is None else self.span_prior(n, crf.topology.num_nodes(n)),

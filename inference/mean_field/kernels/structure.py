@@ -2,8 +2,10 @@
 and the head messages (``HeadMessages``). The kernels (``inference.mean_field.kernels.head_kernels``,
 ``inference.mean_field.kernels.flex``) are functions of them.
 
-Memory: a structure holds O(B N) per batch. The token arcs are the topology's own table
-(``token_arcs [n, n]``, cached once per (topology, n, device) by ``graphs.Topology.mask``),
+Memory: a structure holds O(B N) per batch. The token arcs are the topology's rule of
+positions (``graphs.Topology.token_rule``), asked for the blocks a kernel reads, or its own
+table (``token_arcs [n, n]``, cached once per (topology, n, device) by ``graphs.Topology.mask``,
+built on first read where a kernel needs it whole),
 the arcs touching virtual nodes are ``border`` (``[B, n, m]`` and ``[B, m, N]``), and the rows
 with a legal head (``has_head``) are counted from prefix sums over the nodes on a band
 topology. The ``[B, N, N]`` arcs and the ``[N, N]`` distance groups are built only when a
@@ -25,6 +27,7 @@ __all__ = ["HeadStructure", "HeadMessages"]
 # float copies of non-band token tables (has_head's counts), newest last: key -> (table, copy)
 _FLOAT_TABLES: dict = {}
 _FLOAT_TABLES_KEPT = 8
+_RULE_ROWS = 1024  # rows of a token rule evaluated at once (has_head off a band)
 
 
 class HeadStructure:
@@ -33,7 +36,9 @@ class HeadStructure:
     Args:
         n: tokens; gamma, cuts: the distance buckets (``cuts`` None: 2 .. gamma + 1).
         nodes: ``[B, N]`` bool, the nodes each row has (tokens, then the m virtual nodes).
-        token_arcs: ``[n, n]`` bool, the topology alone between tokens.
+        token_arcs: ``[n, n]`` bool, the topology alone between tokens, or None: the
+            topology's rule answers for the blocks a kernel reads (its table is built on
+            first read of ``token_arcs``).
         groups: ``[N, N]`` long distance groups, or None (built on first read).
         arcs: ``[B, N, N]`` bool (topology and existing nodes), or None (built on first read
             from the token table, the nodes and ``border``).
@@ -49,7 +54,7 @@ class HeadStructure:
         n: int,
         gamma: int,
         nodes: torch.Tensor,
-        token_arcs: torch.Tensor,
+        token_arcs: torch.Tensor | None = None,
         groups: torch.Tensor | None = None,
         arcs: torch.Tensor | None = None,
         band: tuple[float, float] | None = None,
@@ -58,7 +63,9 @@ class HeadStructure:
         border: tuple[torch.Tensor, torch.Tensor] | None = None,
         topology=None,
     ):
-        self.n, self.gamma, self.nodes, self.token_arcs = n, gamma, nodes, token_arcs
+        if token_arcs is None and topology is None:
+            raise ValueError("a HeadStructure needs its token_arcs or a topology to read them from")
+        self.n, self.gamma, self.nodes, self._token_arcs = n, gamma, nodes, token_arcs
         self.band, self.prior, self.cuts, self.topology = band, prior, cuts, topology
         self._groups, self._arcs, self._border, self._has_head = groups, arcs, border, None
         self.cache: dict = {}  # what a kernel derives from this batch once (flex's block masks)
@@ -85,6 +92,29 @@ class HeadStructure:
     def virtual(self) -> int:
         """m, the number of virtual nodes."""
         return self.nodes.shape[1] - self.n
+
+    @property
+    def token_arcs(self) -> torch.Tensor:
+        """``[n, n]`` bool: the topology alone between tokens (the table: built on first read
+        when the structure was given the topology's rule)."""
+        if self._token_arcs is None:
+            self._token_arcs = self.topology.mask(self.n, self.nodes.device)[: self.n, : self.n]
+        return self._token_arcs
+
+    @property
+    def token_rule(self):
+        """The topology's rule of positions (``graphs.Topology.token_rule``) when the structure
+        reads the token arcs from it, else None (the table says)."""
+        if self._token_arcs is not None or self.topology is None:
+            return None
+        return self.topology.token_rule
+
+    def token_mask(self, transposed: bool = False):
+        """What a kernel asks about token arcs: the rule (a function of position tensors) when
+        there is one, else the ``[n, n]`` table; ``transposed``: of the reversed arcs (j -> i)."""
+        if self.token_rule is not None:
+            return self.topology.token_rule_transposed if transposed else self.token_rule
+        return self.token_arcs.transpose(0, 1) if transposed else self.token_arcs
 
     @property
     def groups(self) -> torch.Tensor:
@@ -130,7 +160,12 @@ class HeadStructure:
         lo, hi = max(0, -offset), n - max(0, offset)
         if self._arcs is not None:  # given explicitly: the arcs are the truth
             return self._arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2)
-        return self.token_arcs.diagonal(offset)[None] & nodes[:, lo:hi] & nodes[:, lo + offset : hi + offset]
+        if self.token_rule is not None:
+            rows = torch.arange(lo, hi, device=nodes.device)
+            arcs = self.token_rule(rows, rows + offset)
+        else:
+            arcs = self.token_arcs.diagonal(offset)
+        return arcs[None] & nodes[:, lo:hi] & nodes[:, lo + offset : hi + offset]
 
     @property
     def has_head(self) -> torch.Tensor:
@@ -154,6 +189,13 @@ class HeadStructure:
             rows = torch.arange(n, device=real.device)
             count = prefix[:, (rows + right + 1).clamp(max=n)] - prefix[:, (rows - left).clamp(min=0)]
             return real & (count - real.to(torch.int32) > 0)  # the row's own token is no head
+        if self.token_rule is not None:  # the rule, a block of rows at a time: O(block n) memory
+            heads, found = torch.arange(n, device=real.device), []
+            for lo in range(0, n, _RULE_ROWS):
+                rows = torch.arange(lo, min(lo + _RULE_ROWS, n), device=real.device)
+                allowed = self.token_rule(rows[:, None], heads[None, :]).to(torch.float32)  # [rows, n]
+                found.append((real.to(torch.float32) @ allowed.T) > 0.5)  # [B, rows]
+            return real & torch.cat(found, 1)
         table = _float_table(self.token_arcs)
         return real & ((real.to(table.dtype) @ table.T) > 0.5)
 

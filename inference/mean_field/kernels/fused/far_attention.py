@@ -109,8 +109,9 @@ def _visible(rows: torch.Tensor, keys: torch.Tensor, n: int, shift: int, side: s
     else:  # key t is token t; the sinks are t >= n
         visible, token = keys >= rows + shift, keys
         is_token = token < n
-    if token_mask is not None:
-        allowed = token_mask[rows, token.clamp(0, n - 1)]
+    if token_mask is not None:  # the table, or the topology's rule of positions
+        token = token.clamp(0, n - 1)
+        allowed = token_mask[rows, token] if isinstance(token_mask, torch.Tensor) else token_mask(rows, token)
         visible = visible & (allowed | ~is_token)
     return visible
 
@@ -185,11 +186,14 @@ def _blocks(n: int, shift: int, side: str, token_mask, dtype, device, span: KeyS
     token mask kept for the mask's lifetime in a small cache."""
     if token_mask is None or torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return _build_blocks(n, shift, side, token_mask, dtype, device, span)
-    layout = (token_mask.data_ptr(), tuple(token_mask.shape), token_mask.stride(), token_mask.device)
+    if isinstance(token_mask, torch.Tensor):
+        layout = (token_mask.data_ptr(), tuple(token_mask.shape), token_mask.stride(), token_mask.device)
+    else:  # a rule of positions: the same function object for every batch of its topology
+        layout = ("rule", id(token_mask))
     key = (layout, n, shift, side, span, dtype, torch.device(device))
     cached = _BLOCKS.get(key)
     if cached is None:
-        # holding the mask keeps its address from being reused while the entry lives
+        # holding the mask (or rule) keeps its address from being reused while the entry lives
         cached = (token_mask, _build_blocks(n, shift, side, token_mask, dtype, device, span))
         _BLOCKS[key] = cached
         while len(_BLOCKS) > _BLOCKS_KEPT:  # the oldest first

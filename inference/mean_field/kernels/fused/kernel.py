@@ -34,10 +34,10 @@ def _far_masks(structure: HeadStructure):
     that compiled graphs see no data-dependent branch."""
     shift = structure.reach + 1
     if structure.band is None:
-        return {"right": structure.token_arcs, "left": structure.token_arcs}
+        return {"right": structure.token_mask(), "left": structure.token_mask()}
     sides = {}
     for side, reach in zip(("left", "right"), structure.band):
-        sides[side] = False if reach < shift else (None if reach == math.inf else structure.token_arcs)
+        sides[side] = False if reach < shift else (None if reach == math.inf else structure.token_mask())
     return sides
 
 
@@ -240,7 +240,7 @@ def _far_parts(x: _Inputs, far: dict, lse_tokens, sides: dict, spans: dict, flas
         parts.append(Part(x.slot(k), 0, n, out, 0, weight))
         # reverse: head i gathers dependents j on the opposite side, weighted exp(s_ji + bias - lse_j)
         swap = "left" if side == "right" else "right"
-        mask = sides[side].transpose(0, 1) if isinstance(sides[side], torch.Tensor) else None
+        mask = None if sides[side] is None or sides[side] is False else x.structure.token_mask(transposed=True)
         key_bias = torch.where(token_nodes, x.bias_of(k) - lse_tokens, ABSENT)
         q_k, key_k, v_rev = (g[x.slot(k)][:, :n] for g in (x.keys, x.queries, x.values_rev))
         out_rev, lse_rev = far_attention(q_k, key_k, v_rev, key_bias, x.scale, shift, swap, mask, flash, spans[side][1])
