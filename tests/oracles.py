@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from graphs import topology
+
 
 def buckets(crf) -> tuple:
     """``(gamma, cuts)`` of a CRF for ``group_of``."""
@@ -39,7 +41,7 @@ def _tables(crf):
 def arcs_of(crf, n, row_mask):
     """Legal (i, j) arcs for one sentence: topology arcs between existing nodes. The
     topology is data (its per-row arcs, built for the sentence's real length, are checked
-    against their own oracle in tests/graphs/test_topology.py)."""
+    against their own oracle in tests/graphs/topology/test_builtins.py)."""
     N = crf.topology.num_nodes(n)
     topo = crf.topology.arcs(torch.tensor([[bool(m) for m in row_mask]]))[0]
     exists = [bool(row_mask[i]) if i < n else True for i in range(N)]
@@ -190,3 +192,153 @@ def mean_field_update(crf, tokens_row, mask_row, q_z):
             logits += (Bm @ q[i]).softmax(0) @ Bm
         new[i] = logits.softmax(0)
     return new
+
+
+def dense_head_messages(query, key, value, value_rev, scale, structure):
+    """float64 messages and lse: each arc's group's projections, a null head of logit 0."""
+    query, key, value, value_rev = (t.double() for t in (query, key, value, value_rev))
+    K = 2 * (structure.gamma + 1) + (1 if structure.nodes.shape[1] > structure.n else 0)
+    shared = query.shape[2] == 1
+    query, key, value, value_rev = (t.expand(-1, -1, K, -1, -1) for t in (query, key, value, value_rev))
+    one_hot = torch.nn.functional.one_hot(structure.groups, K).double()
+    logits = torch.einsum("bikcr,bjkcr,ijk->bcij", query, key, one_hot) * scale
+    logits = logits.masked_fill(~structure.arcs[:, None], -math.inf)
+    null = torch.where(structure.arcs.any(-1), -math.inf, 0.0).double()[:, None, :, None]
+    extended = torch.cat([logits, null.expand(*logits.shape[:-1], 1)], -1)
+    probs, lse = extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
+    forward = torch.einsum("bcij,ijk,bjkcr->bikcr", probs, one_hot, value)
+    reverse = torch.einsum("bcji,jik,bjkcr->bikcr", probs, one_hot, value_rev)
+    if shared:
+        forward, reverse = forward.sum(2, keepdim=True), reverse.sum(2, keepdim=True)
+    return forward, reverse, lse
+
+
+def relative_errors(result, expected) -> list[float]:
+    """Max-abs error of a kernel's forward, reverse and lse, relative to the largest expected value."""
+    return [
+        float((ours.double() - theirs).abs().max() / theirs.abs().max())
+        for ours, theirs in zip((result.forward, result.reverse, result.lse), expected)
+    ]
+
+
+# Each topology restated as a predicate over (dependent i, head j, n); virtual nodes are >= n.
+
+
+def full_rule(i, j, n):
+    return i < n and j < n
+
+
+def causal_rule(i, j, n):
+    return i < n and j < i
+
+
+def window_rule(w):
+    return lambda i, j, n: i < n and j < n and abs(i - j) <= w
+
+
+def star_rule(wrap):
+    def rule(i, j, n):
+        if i < n and j < n:
+            return abs(i - j) == 1 or (wrap and n > 2 and {i, j} == {0, n - 1})
+        return (i < n) != (j < n)  # token <-> relay
+
+    return rule
+
+
+def clusters_rule(k, dynamic=False):
+    def rule(i, j, n):
+        if i < n and j < n:
+            return False
+        if i >= n and j >= n:
+            return True
+        token, cluster = (i, j - n) if i < n else (j, i - n)
+        return dynamic or token * k // n == cluster
+
+    return rule
+
+
+def root_rule(i, j, n):
+    return i < n and j >= n
+
+
+def segments_rule(length, causal=False):
+    def rule(i, j, n):
+        gap = i // length - j // length
+        return i < n and j < n and (gap == 1 or (gap == 0 and (j < i or not causal)))
+
+    return rule
+
+
+TOPOLOGY_CASES = [
+    (topology.full(), full_rule, 0),
+    (topology.causal(), causal_rule, 0),
+    (topology.window(1), window_rule(1), 0),
+    (topology.window(3), window_rule(3), 0),
+    (topology.star(), star_rule(False), 1),
+    (topology.star(wrap=True), star_rule(True), 1),
+    (topology.clusters(1), clusters_rule(1), 1),
+    (topology.clusters(3), clusters_rule(3), 3),
+    (topology.segments(2), segments_rule(2), 0),
+    (topology.root(), root_rule, 1),
+    (topology.segments(3), segments_rule(3), 0),
+    (topology.segments(3, causal=True), segments_rule(3, causal=True), 0),
+    (topology.clusters(3, dynamic=True), clusters_rule(3, dynamic=True), 3),
+    (topology.parse("segments(4, causal=True)"), segments_rule(4, causal=True), 0),
+]
+
+
+TOPOLOGY_SPECS = ["full", "causal", "window(1)", "segments(2)", "star()", "root()", "window(1) | root()"]
+
+
+LENGTH_DEPENDENT_SPECS = [
+    "clusters(1)",
+    "clusters(2)",
+    "clusters(3)",
+    "clusters(2, dynamic=True)",
+    "window(1) | clusters(3)",
+]
+
+
+def kalman(ys, A, Q, H, R, m0, P0):
+    """Filtering means [T, D] and the log-evidence of ys [T, E] under
+    x_0 ~ N(m0, P0), x_t = A x_{t-1} + N(0, Q), y_t = H x_t + N(0, R)."""
+    m, P, log_z, means = m0, P0, 0.0, []
+    for y in ys:
+        m, P = A @ m, A @ P @ A.T + Q
+        S = H @ P @ H.T + R
+        log_z += torch.distributions.MultivariateNormal(H @ m, S).log_prob(y).item()
+        K = P @ H.T @ torch.linalg.inv(S)
+        m, P = m + K @ (y - H @ m), (torch.eye(len(m), dtype=P.dtype) - K @ H) @ P
+        means.append(m)
+    return torch.stack(means), log_z
+
+
+def explicit_null_softmax(logits, has_head):
+    """The definition: softmax and logsumexp over the logits with a null column appended (0
+    where the row has no head, -inf where it has)."""
+    B, C, n, _ = logits.shape
+    null = torch.where(has_head, -math.inf, 0.0).to(logits.dtype)[:, None, :, None].expand(B, C, n, 1)
+    extended = torch.cat([logits, null], -1)
+    return extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
+
+
+def dense_attention_reference(query, key, value, value_rev, scale, structure, bias=None):
+    """The messages of head_kernels' docstring, materialised: logits from each arc's own
+    group, a null head of logit 0 on rows with no legal head. A group axis of size 1 is
+    every group's projection, and the messages come back summed over the groups."""
+    shared = query.shape[2] == 1
+    K = 2 * (structure.gamma + 1) + (1 if structure.nodes.shape[1] > structure.n else 0)
+    query, key, value, value_rev = (t.expand(-1, -1, K, -1, -1) for t in (query, key, value, value_rev))
+    one_hot = torch.nn.functional.one_hot(structure.groups, K).to(query.dtype)  # [N, N, K]
+    scores = torch.einsum("bikcr,bjkcr,ijk->bcij", query, key, one_hot) * scale
+    if bias is not None:
+        scores = scores + torch.einsum("kc,ijk->cij", bias, one_hot)
+    logits = scores.masked_fill(~structure.arcs[:, None], -math.inf)
+    null = torch.where(structure.arcs.any(-1), -math.inf, 0.0).to(query.dtype)[:, None, :, None]
+    extended = torch.cat([logits, null.expand(*logits.shape[:-1], 1)], -1)
+    probs, lse = extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
+    forward = torch.einsum("bcij,ijk,bjkcr->bikcr", probs, one_hot, value)
+    reverse = torch.einsum("bcji,jik,bjkcr->bikcr", probs, one_hot, value_rev)
+    if shared:
+        forward, reverse = forward.sum(2, keepdim=True), reverse.sum(2, keepdim=True)
+    return forward, reverse, lse

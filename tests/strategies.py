@@ -1,4 +1,4 @@
-"""Hypothesis strategies for tiny CRFs and batches (n <= 4, d <= 3, C <= 2)."""
+"""Hypothesis strategies: tiny CRFs and batches (n <= 4, d <= 3, C <= 2), scaled CRFs, head-kernel problems."""
 
 import torch
 from hypothesis import strategies as st
@@ -46,3 +46,36 @@ def tiny_crfs(draw, max_len=4, max_labels=3, max_channels=2, topologies=TOPOLOGI
     lengths = [draw(st.integers(1, n)) for _ in range(B)]
     mask = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
     return crf, tokens, mask
+
+
+@st.composite
+def scaled_crfs(draw):
+    topology = draw(st.sampled_from(["full", "causal", "window(1)", "star()", "clusters(1)", "segments(2)"]))
+    n = draw(st.integers(1, 3))
+    crf = graphs.CRF(
+        vocab_size=4,
+        labels=2,
+        channels=1,
+        rank=2,
+        global_labels=draw(st.sampled_from([0, 2])),
+        topology=topology,
+        gamma=draw(st.integers(0, 2)),
+    )
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    potential = draw(st.sampled_from([1.0, 10.0, 100.0, 1e3, 1e4]))
+    with torch.no_grad():
+        for p in crf.parameters():  # float32 parameters of +-potential
+            p.copy_(torch.randn(p.shape, generator=gen) * potential)
+    tokens = torch.randint(0, 4, (2, n), generator=gen)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, draw(st.integers(1, n)) :] = False
+    return crf, tokens, mask
+
+
+# Random head-kernel problems: seeded inputs of n nodes, score scales, a share of illegal arcs.
+HEAD_PROBLEMS = dict(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 9),
+    scale=st.sampled_from([1.0, 30.0, 1e3]),
+    illegal=st.floats(0.0, 0.9),
+)

@@ -1,0 +1,83 @@
+"""The mean-field engine's frozen settings (``MeanFieldOptions``): parsed once, scales by
+hand, a written setting replaces the options, and nothing writes the engine's attributes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import graphs
+import inference
+from inference.mean_field.message_weights import MessageWeights
+from tests.builders import grouped_crf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_engine_parses_its_arguments_into_one_frozen_options_object():
+    crf = graphs.CRF(vocab_size=7, labels=4, channels=2, rank=2)
+    engine = inference.MeanField(crf, iterations=3, damping=0.25, step_size=(0.5, 1), weights="reference", span=True)
+    assert engine.options.iterations == 3
+    assert engine.options.damping == (0.25, 0.25) and engine.options.step_size == (0.5, 1.0)
+    assert engine.options.weights == MessageWeights(attention=4.0, topic_logits=4.0)  # lambda_H = 1/d
+    assert engine.options.adaptive_span is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.options.iterations = 5
+
+
+def test_the_scales_are_the_weights_times_the_mup_factors_by_hand():
+    """d = 4 labels, r = 2, no global labels: tau = d / r = 2; head logits tau * d = 8, ternary
+    messages d = 4, topic message max(g, 1) = 1, topic logits tau * 1 = 2."""
+    crf = graphs.CRF(vocab_size=7, labels=4, channels=2, rank=2)
+    weights = {"unary": 1.5, "head": 2.0, "dependents": 3.0, "topic": 5.0, "attention": 7.0, "topic_logits": 11.0}
+    plain = inference.MeanField(crf, weights=weights).scales()
+    assert plain == weights
+    with_mup = inference.MeanField(crf, weights=weights, mup=True).scales()
+    expected = {"unary": 1.5, "head": 8.0, "dependents": 12.0, "topic": 5.0, "attention": 56.0, "topic_logits": 22.0}
+    assert with_mup == expected
+
+
+def test_writing_an_engine_setting_replaces_its_options():
+    """An attribute write (the deploy exporter's ``engine.kernel = "naive"``) makes new options;
+    options taken before keep their value, and the forward follows the new one."""
+    torch.manual_seed(0)
+    crf = grouped_crf()
+    tokens = torch.randint(0, 7, (2, 6))
+    engine = inference.MeanField(crf, iterations=4)
+    before = engine.options
+    engine.iterations = 1
+    assert engine.iterations == 1 and engine.options.iterations == 1 and before.iterations == 4
+    with torch.no_grad():
+        one = engine(tokens)
+        torch.testing.assert_close(one.logits, inference.MeanField(crf, iterations=1)(tokens).logits, rtol=0, atol=0)
+        assert one.trace["logits"].shape[0] == 1
+
+
+def engine_state(engine) -> dict:
+    """Every instance attribute of the engine and its submodules, by identity."""
+    return {(name, key): id(value) for name, module in engine.named_modules() for key, value in vars(module).items()}
+
+
+@pytest.mark.parametrize("kernel", ["naive", "fused"])
+@pytest.mark.parametrize("schedule", ["async", "sequential"])
+def test_nothing_writes_the_engines_attributes(kernel, schedule):
+    """A forward, its ELBO and trace leave every attribute of the engine as it was, also when a
+    parameter change makes the score bound be read again (its cache is the engine's own object,
+    which changes inside)."""
+    if kernel == "fused" and schedule == "sequential":
+        pytest.skip("the fused kernel has no sequential schedule")
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=7, labels=3, channels=2, rank=3)
+    engine = inference.MeanField(crf, iterations=2, kernel=kernel, schedule=schedule)
+    tokens = torch.randint(0, 7, (2, 5))
+    state = engine_state(engine)
+    with torch.no_grad():
+        for p in (crf.ternary_u, crf.ternary_v):
+            p.mul_(100.0)  # the bound now far past 512: the next read must find float64
+        posterior = engine(tokens)
+        computed = (posterior.elbo, posterior.trace, posterior.h)  # each computed on first access
+    assert torch.isfinite(computed[0]).all() and len(computed[1]["logits"]) == 2
+    assert engine.fused_compute_dtype(1.0) == torch.float64
+    assert engine_state(engine) == state

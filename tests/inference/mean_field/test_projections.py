@@ -1,0 +1,83 @@
+"""The projections (inference.mean_field.projections): shared projections equal the per-group
+form, and projecting only the used groups equals the naive kernel."""
+
+import pytest
+import torch
+
+import graphs
+import inference
+from tests.builders import padded_token_batch as batch
+from tests.builders import shared_crf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("topology", ["causal", "window(2)", "chain()", "causal | root()"])
+def test_mean_field_projecting_only_the_used_groups_equals_naive(topology):
+    """MeanField with the fused kernel projects onto the groups with arcs alone: its label
+    marginals, head marginals and parameter gradients equal the naive kernel's (all groups)."""
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=11, labels=4, channels=2, rank=3, topology=topology, gamma=3).double()
+    tokens = torch.randint(0, 11, (2, 140))
+    mask = torch.ones(2, 140, dtype=torch.bool)
+    mask[1, 90:] = False
+    results = []
+    for kernel in ("fused", "naive"):
+        crf.zero_grad()
+        engine = inference.MeanField(crf, iterations=2, kernel=kernel)
+        posterior = engine(tokens, mask)
+        posterior.logits.square().sum().backward()
+        results.append([posterior.z, posterior.h, *(p.grad.clone() for p in crf.parameters() if p.grad is not None)])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def per_group_copy(crf, rank_extra: bool):
+    """A low-rank CRF holding the shared form per group: with ``rank_extra`` the exact
+    rank r + 1 equivalent (the bias in a last column), else the plain U, V copies."""
+    folded_u, folded_v = crf.ternary_factors()
+    rank = folded_u.shape[-1] if rank_extra else crf.rank
+    low_rank = graphs.CRF(
+        vocab_size=7,
+        labels=crf.labels,
+        channels=crf.channels,
+        rank=rank,
+        gamma=crf.gamma,
+        topology=crf.topology,
+        global_labels=crf.global_labels,
+    ).double()
+    K = crf.num_groups
+    with torch.no_grad():
+        low_rank.unary.copy_(crf.unary)
+        if crf.global_labels:
+            low_rank.binary.copy_(crf.binary)
+        if rank_extra:
+            low_rank.ternary_u.copy_(folded_u)
+            low_rank.ternary_v.copy_(folded_v)
+        else:
+            low_rank.ternary_u.copy_(crf.shared_u.expand(K, -1, -1, -1))
+            low_rank.ternary_v.copy_(crf.shared_v.expand(K, -1, -1, -1))
+    return low_rank
+
+
+@pytest.mark.parametrize("schedule", ["async", "parallel", "macaron", "sequential"])
+@pytest.mark.parametrize("topology", ["full", "star()"])
+def test_shared_projections_equal_the_per_group_form(schedule, topology):
+    """bias 0: exactly the low-rank form with U, V copied into every group (same logits);
+    any bias, CRF weights: the rank r + 1 form (same marginals and ELBO; label logits may
+    differ by a constant per node, the bias's message, which no softmax sees)."""
+    crf = shared_crf(labels=3, rank=2, gamma=1, topology=topology, global_labels=2, bias_std=0.0)
+    tokens, mask = batch(length=6)
+    options = dict(iterations=2, schedule=schedule, kernel="naive", weights="reference")
+    shared, copied = (inference.MeanField(c, **options)(tokens, mask) for c in (crf, per_group_copy(crf, False)))
+    torch.testing.assert_close(shared.logits, copied.logits, atol=1e-12, rtol=0)
+    if schedule == "parallel":
+        # the Jacobi start (zero projections: no label information) keeps the bias, a potential
+        # on the heads alone, where the rank r + 1 form's last column is zeroed with the rest
+        return
+    with torch.no_grad():
+        crf.shared_bias.normal_()
+    options["weights"] = "crf"
+    shared, folded = (inference.MeanField(c, **options)(tokens, mask) for c in (crf, per_group_copy(crf, True)))
+    torch.testing.assert_close(shared.z, folded.z, atol=1e-12, rtol=0)
+    torch.testing.assert_close(shared.elbo, folded.elbo, atol=1e-12, rtol=0)

@@ -1,0 +1,147 @@
+"""Gibbs (inference.reference.gibbs): marginals agree with Exact within four standard errors,
+reproducible draws, user factors compiled, and refusals."""
+
+import numpy as np
+import pytest
+import torch
+
+import graphs
+import inference
+
+
+def case(topology, global_labels, seed):
+    torch.manual_seed(seed)
+    crf = graphs.CRF(vocab_size=6, labels=2, channels=2, rank=2, global_labels=global_labels, topology=topology)
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.mul_(2.0)  # peaked enough that a wrong sampler would show
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    return crf, tokens, mask
+
+
+@pytest.mark.parametrize(
+    "topology,global_labels,seed",
+    [pytest.param("window(1) | star()", 2, 0, marks=pytest.mark.slow), ("causal", 0, 1)],  # the first ~15 s
+)
+def test_gibbs_marginals_agree_with_exact_within_four_standard_errors(topology, global_labels, seed):
+    crf, tokens, mask = case(topology, global_labels, seed)
+    with torch.no_grad():
+        exact = inference.Exact(crf.double()).marginals(tokens, mask)
+    result = inference.Gibbs(crf, num_samples=3000, num_warmup=300, num_chains=4, seed=seed).sample(tokens, mask)
+    assert result.rhat < 1.05
+    for name in ["z", "h"] + (["g"] if global_labels else []):
+        p = getattr(exact, name).detach().double()
+        estimate = getattr(result.marginals, name)
+        ess = getattr(result.effective_sample_size, name)
+        assert estimate.shape == p.shape
+        # the standard error under the exact p (an estimate stuck at 0 or 1 still has one)
+        se = torch.sqrt((p * (1 - p)).clamp(min=0) / ess).clamp(min=1e-6)  # 1e-6: rounding floor
+        z_scores = (estimate - p).abs() / se
+        assert z_scores.max() < 4, (name, z_scores.max())
+    posterior = result.inference_data.posterior
+    assert set(posterior.data_vars) >= {"z", "h"}
+    assert posterior["z"].shape == (4, 3000, 2, crf.topology.num_nodes(3))
+
+
+def test_gibbs_validates_its_arguments():
+    crf, _, _ = case("full", 0, 0)
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1"):
+        inference.Gibbs(crf, num_samples=0)
+    with pytest.raises(ValueError, match="num_chains"):
+        inference.Gibbs(crf, num_chains=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        inference.Gibbs(crf).sample(torch.tensor([[99]]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_samples=10**12), r"num_samples must be an integer >= 1 and <= 10000000 \(the limit\)"),
+        (dict(num_samples=10**7 + 1), r"num_samples .* <= 10000000"),
+        (dict(num_warmup=10**12), r"num_warmup must be an integer >= 0 and <= 10000000"),
+        (dict(num_chains=10**12), r"num_chains must be an integer >= 1 and <= 1024"),
+        (dict(num_chains=True), r"num_chains must be an integer"),
+        (dict(num_samples=2.0), r"num_samples must be an integer"),
+        (dict(seed=-1), r"seed must be an integer >= 0 and <= 4294967295"),
+        (dict(seed=2**64), r"seed must be an integer"),
+        (dict(seed="7"), r"seed must be an integer"),
+    ],
+)
+def test_gibbs_refuses_absurd_counts_naming_the_limit(kwargs, match):
+    # num_samples=10**12 reached JAX (RESOURCE_EXHAUSTED allocating 8 TB)
+    crf, _, _ = case("full", 0, 0)
+    with pytest.raises(ValueError, match=match):
+        inference.Gibbs(crf, **kwargs)
+
+
+def test_gibbs_refuses_a_run_whose_draws_would_not_fit_before_sampling():
+    crf, tokens, mask = case("full", 0, 0)
+    # each count within its limit; together 1024 x 10**7 x (per-draw values) > 2**30
+    with pytest.raises(ValueError, match=r"num_chains x num_samples x values per draw = 1024 x 10000000 x \d+"):
+        inference.Gibbs(crf, num_samples=10**7, num_chains=1024).sample(tokens, mask)
+
+
+def test_gibbs_draws_are_reproducible_under_a_seed():
+    crf, tokens, mask = case("window(1)", 0, 3)
+    a = inference.Gibbs(crf, num_samples=50, num_warmup=10, seed=7).sample(tokens, mask)
+    b = inference.Gibbs(crf, num_samples=50, num_warmup=10, seed=7).sample(tokens, mask)
+    np.testing.assert_array_equal(a.inference_data.posterior["z"].values, b.inference_data.posterior["z"].values)
+
+
+class SameAsNext(graphs.Factor):
+    """A user factor, written here: weight w per pair of neighbouring real tokens with equal labels."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(float(weight)))
+
+    def log_potential(self, z, tokens, mask):
+        n = tokens.shape[1]
+        same = (z[:, 1:n] == z[:, : n - 1]) & mask[:, 1:]
+        return self.weight * same.to(self.weight.dtype).sum(-1)
+
+
+@pytest.mark.slow  # ~10 s idle: the user factor runs in torch through a JAX callback
+def test_gibbs_compiles_pairwise_and_user_factors_and_agrees_with_exact():
+    torch.manual_seed(6)
+    factors = [graphs.factors.Pairwise(2, "chain()"), SameAsNext(1.5)]
+    crf = graphs.CRF(vocab_size=6, labels=2, channels=1, rank=2, topology="window(1)", factors=factors)
+    with torch.no_grad():
+        crf.factors[0].table.mul_(3.0)  # strong enough that ignoring a factor would show
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        exact = inference.Exact(crf.double()).marginals(tokens, mask)
+    result = inference.Gibbs(crf, num_samples=1500, num_warmup=200, num_chains=4, seed=2).sample(tokens, mask)
+    assert result.rhat < 1.05
+    for name in ("z", "h"):
+        p = getattr(exact, name).detach().double()
+        se = torch.sqrt((p * (1 - p)).clamp(min=0) / getattr(result.effective_sample_size, name)).clamp(min=1e-6)
+        assert ((getattr(result.marginals, name) - p).abs() / se).max() < 4, name
+    # the extra factors matter here: without them the label marginals move far
+    without = graphs.CRF(vocab_size=6, labels=2, channels=1, rank=2, topology="window(1)").double()
+    without.load_state_dict({k: v for k, v in crf.state_dict().items() if not k.startswith("factors.")})
+    with torch.no_grad():
+        assert (inference.Exact(without).marginals(tokens, mask).z - exact.z).abs().max() > 0.1
+
+
+def test_gibbs_refuses_a_raw_factor_site_it_would_ignore():
+    import pyro
+
+    class Extra(graphs.CRF):
+        def model(self, tokens, mask=None):
+            super().model(tokens, mask)
+            pyro.factor("bonus", torch.full((), 2.0))
+
+    crf = Extra(vocab_size=4, labels=2)
+    with pytest.raises(
+        ValueError, match=r"Gibbs cannot compile factor site 'bonus' of Extra.model .*engines that can: Exact"
+    ):
+        inference.Gibbs(crf)
+    plain = graphs.CRF(vocab_size=4, labels=2)
+    plain.load_state_dict(crf.state_dict())
+    tokens = torch.tensor([[1, 2]])
+    with torch.no_grad():  # Exact sums the model itself: it includes the site
+        with_bonus, without = inference.Exact(crf).log_partition(tokens), inference.Exact(plain).log_partition(tokens)
+    assert with_bonus.item() == pytest.approx(without.item() + 2.0, abs=1e-9)

@@ -1,0 +1,92 @@
+"""The declaration of a factor graph as a model (inference.declaration): every site names its
+template, what is not a template is refused, a plain function model gives the same answers,
+and an engine that would ignore a raw factor refuses it."""
+
+
+import pyro
+import pytest
+import torch
+from pyro import poutine
+from pyro.poutine.util import site_is_subsample
+
+import graphs
+import inference
+from graphs.factors import Pairwise
+from tests.builders import FirstLastAgree
+
+
+def test_a_raw_factor_in_an_overridden_model_is_refused_by_every_engine_that_would_ignore_it():
+    class WithBonus(graphs.CRF):
+        def model(self, tokens, mask=None):
+            super().model(tokens, mask)
+            pyro.factor("bonus", torch.full((), 1.0))
+
+    crf = WithBonus(vocab_size=4, labels=2)
+    for engine in (inference.MeanField, inference.Gibbs):
+        with pytest.raises(ValueError, match=r"cannot compile factor site 'bonus' of WithBonus.model"):
+            engine(crf)
+    inference.Exact(crf)  # sums the model itself
+
+    class WithLatent(graphs.CRF):
+        def model(self, tokens, mask=None):
+            super().model(tokens, mask)
+            pyro.sample("extra", pyro.distributions.Categorical(logits=torch.zeros(2)))
+
+    with pytest.raises(ValueError, match=r"latent site 'extra' of WithLatent.model"):
+        inference.MeanField(WithLatent(vocab_size=4, labels=2))
+
+
+def test_every_site_of_the_generated_model_names_its_template():
+    crf = graphs.CRF(
+        vocab_size=4, labels=2, global_labels=2, topology="chain()", factors=[Pairwise(2), FirstLastAgree()]
+    )
+    trace = poutine.trace(crf.model).get_trace(torch.tensor([[1, 2, 3]]))
+    found = {}
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site_is_subsample(site):
+            continue
+        key = site["infer"].get("template") if site["is_observed"] else site["infer"].get("variable")
+        found.setdefault(key, set()).add(name)
+    assert found["Unary"] == {"unary_0", "unary_1", "unary_2"}
+    assert found["Global"] == {"binary_0", "binary_1", "binary_2"}
+    assert found["Pairwise"] == {"pairwise0_1_0", "pairwise0_2_1"}
+    assert found["FirstLastAgree"] == {"firstlastagree1"}
+    assert found["Ternary"] == {"head_count_0_1", "head_count_0_2", "ternary_0_1_0", "ternary_0_2_1"}
+    assert found["Z"] == {"z_0", "z_1", "z_2"} and found["G"] == {"g_0", "g_1", "g_2"}
+    assert found["H"] == {"h_0_1", "h_0_2"}
+    assert None not in found
+
+
+def test_declaration_refuses_what_is_not_a_factor_template():
+    with pytest.raises(TypeError, match=r"factors\[0\] must be a graphs.Factor"):
+        graphs.CRF(vocab_size=4, labels=2, factors=["pairwise"])
+    with pytest.raises(TypeError, match="Unary is built in"):
+        graphs.CRF(vocab_size=4, labels=2, factors=[graphs.factors.Unary()])
+    with pytest.raises(TypeError, match="factors must be a list"):
+        graphs.CRF(vocab_size=4, labels=2, factors=Pairwise(2))
+    with pytest.raises(ValueError, match=r"Pairwise\(labels=3\) does not match the CRF's labels=2"):
+        graphs.CRF(vocab_size=4, labels=2, factors=[Pairwise(3)])
+    with pytest.raises(ValueError, match="Pairwise topology must have no virtual nodes"):
+        Pairwise(2, "star()")
+    with pytest.raises(ValueError, match="names must be unique"):
+        a, b = Pairwise(2), Pairwise(2)
+        a.name = b.name = "same"
+        graphs.CRF(vocab_size=4, labels=2, factors=[a, b])
+
+
+def test_a_declaration_s_model_as_a_plain_function_gives_the_same_log_z_and_marginals():
+    """crf.model handed to Exact as a Pyro function goes through Pyro's enumeration and
+    contraction, not the declaration's own elimination: both must agree."""
+    torch.manual_seed(7)
+    crf = graphs.CRF(
+        vocab_size=5, labels=2, channels=2, rank=2, global_labels=2, topology="window(1)", factors=[Pairwise(2)]
+    ).double()
+    tokens = torch.tensor([[1, 2, 3], [4, 0, 0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    with torch.no_grad():
+        declared = inference.Exact(crf)(tokens, mask)
+        as_function = inference.Exact(crf.model)
+        torch.testing.assert_close(as_function.log_partition(tokens, mask), declared.log_partition, atol=1e-10, rtol=0)
+        marginals = as_function.marginals(tokens, mask)
+    for i in range(3):
+        torch.testing.assert_close(marginals[f"z_{i}"][mask[:, i]], declared.z[:, i][mask[:, i]], atol=1e-10, rtol=0)
