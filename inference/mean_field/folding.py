@@ -17,7 +17,7 @@ Two computations of the same quantity:
     (``[B, l, d]``) and fewer than l pending tokens, and yields each segment's label
     logits as soon as the segment is complete (the last, partial one at the end).
 
-Both equal each other (tests/inference/test_folding.py); only ``stream`` runs in
+Both equal each other (tests/inference/mean_field/test_folding.py); only ``stream`` runs in
 constant memory.
 """
 

@@ -43,7 +43,7 @@ Rows with no legal head (padding, ``causal`` at i = 0) get a zero row of P and
 ``lse = 0``: a "null head" of logit 0 is the only choice there, which keeps softmax
 and its gradient finite.
 
-``fused`` is finite wherever ``naive`` is (tests/inference/test_numerics.py: potentials to
+``fused`` is finite wherever ``naive`` is (tests/inference/mean_field/kernels/test_head_kernels.py: potentials to
 +-1e4, padded rows and sentences, float32/float64/bf16, every topology, with and without
 the CPU flash kernel); bf16/fp16 inputs are computed in float32. Its reverse messages
 divide by the lse of another row and the parts merge in log space, so in float32 the
