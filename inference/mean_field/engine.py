@@ -188,12 +188,7 @@ class MeanField(nn.Module):
         (a CRF with ``embedding_size``) ``tokens`` is None and the first item is the checked
         embeddings."""
         crf = self.crf
-        if embeddings is not None:
-            if tokens is not None:
-                raise ValueError("give tokens or embeddings, not both")
-            tokens, mask = crf.check_embeddings(embeddings, mask)
-        else:
-            tokens, mask = crf.check_inputs(tokens, mask)
+        tokens, mask = crf.check_any(tokens, mask, embeddings)  # the CRF owns what it reads
         crf.check_parameters()
         n = tokens.shape[1]
         # memory linear in n: the [B, N, N] arcs and [N, N] groups are built only if a
