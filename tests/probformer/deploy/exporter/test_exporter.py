@@ -21,7 +21,11 @@ from probformer.models.baselines import Transformer, TransformerConfig
 from probformer.training import checkpoint, data
 
 torch.set_num_threads(1)
+
+
 VOCAB = 40
+
+
 TOLERANCE = 1e-5
 
 
@@ -90,6 +94,8 @@ KINDS = {
     "swarmformer": swarm,
     "folded_context": folded,
 }
+
+
 FILES = {"torch": "model", "exported": "model.pt2", "onnx": "model.onnx"}
 
 
@@ -264,6 +270,7 @@ class Blocker:
 sys.meta_path.insert(0, Blocker())
 """
 
+
 RUN = """
 import json, torch
 from safetensors.torch import load_file
@@ -310,7 +317,7 @@ def test_every_export_runs_where_the_research_stack_cannot_be_imported(every_exp
 
 
 # ---- files that are not what they claim -------------------------------------------------
-# (crafted archives and code-execution attempts: tests/probformer/test_crafted_files.py)
+# (crafted archives and code-execution attempts: tests/probformer/deploy/test_reader.py)
 
 
 @pytest.fixture(scope="module")

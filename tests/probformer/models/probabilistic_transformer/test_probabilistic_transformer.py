@@ -97,7 +97,7 @@ def test_bad_tokens_are_refused():
         model(torch.tensor([[1, 30]]))
 
 
-@pytest.mark.slow  # ~9 s compile; see tests/probformer/test_compile.py (slow)
+@pytest.mark.slow  # ~9 s compile; see tests/test_compile.py (slow)
 def test_compiled_model_equals_eager():
     torch.manual_seed(0)
     model = pf.ProbabilisticTransformer(small(kernel="fused")).eval()

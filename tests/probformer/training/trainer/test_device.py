@@ -15,6 +15,7 @@ import torch
 from probformer import cli
 from probformer.training import checkpoint, run_config, trainer
 from probformer.training.trainer import train
+from tests.builders import train_losses
 
 CONFIG = """
 [model]
@@ -42,7 +43,11 @@ log_every = 1
 threads = 1
 device = "{device}"
 """
+
+
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: nothing to refuse")
+
+
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
 
@@ -50,11 +55,6 @@ def write_config(folder: Path, steps: int, device: str, name: str = "run.toml") 
     path = folder / name
     path.write_text(CONFIG.format(steps=steps, device=device))
     return path
-
-
-def train_losses(run: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
 
 
 @NO_CUDA

@@ -139,6 +139,8 @@ def test_exported_from_the_package():
 
 # weights written by hand on a row with padding in the middle; n = 6 real tokens
 HAND_MASK = torch.tensor([True, True, False, True, True, True, True, False])
+
+
 HAND_WEIGHTS = torch.tensor([0.5, 0.25, 0.0, 0.125, 0.0625, 0.0625, 0.0, 0.0])  # slot 6 is real, weight 0
 
 

@@ -32,9 +32,17 @@ from probformer.deploy import archive, reader
 from probformer.models.registry import LogitsOnly, build
 
 torch.set_num_threads(1)
+
+
 VOCAB = 40
+
+
 TRANSFORMER = dict(vocab_size=VOCAB, width=16, heads=2, layers=1, ffn_width=32, max_length=20)
+
+
 PT = dict(vocab_size=VOCAB, labels=12, channels=2, rank=3, global_labels=3, gamma=1, iterations=2, topology="full")
+
+
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

@@ -16,6 +16,8 @@ CONFIGS = {
     "swarmformer": dict(vocab_size=20, width=8, heads=2, layers=3, ffn_width=16, max_length=16),
     "folded_context": dict(vocab_size=20, width=8, heads=2, ffn_width=16),
 }
+
+
 MODELS = {kind: registry.build(kind, config) for kind, config in CONFIGS.items()}
 
 

@@ -18,47 +18,14 @@ from probformer.training import checkpoint, run_config
 from probformer.training.corpus import epoch_order
 from probformer.training.evaluate import attachment_scores, evaluate
 from probformer.training.trainer import Trainer, latest_checkpoint, train
-
-TINY = """
-[model]
-kind = "probabilistic_transformer"
-labels = 16
-channels = 2
-rank = 4
-iterations = 2
-dropout = {dropout}
-mup = true
-
-[data]
-source = "{source}"
-task = "{task}"
-train_sentences = 96
-valid_sentences = 24
-max_length = {max_length}
-vocabulary = 400
-
-[train]
-batch_size = 8
-lr = 3e-3
-warmup_steps = 2
-steps = {steps}
-checkpoint_every = 2
-eval_every = 4
-eval_sentences = 8
-log_every = 1
-threads = 1
-"""
+from tests.builders import TINY_PT_RUN as TINY
+from tests.builders import train_losses
 
 
 def write_config(tmp_path, name="run.toml", dropout=0.1, source="ptb", task="mlm", max_length=90, steps=8):
     path = tmp_path / name
     path.write_text(TINY.format(dropout=dropout, source=source, task=task, max_length=max_length, steps=steps))
     return path
-
-
-def train_losses(run: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
 
 
 def cli(*args, env=None, **kwargs):
@@ -515,7 +482,7 @@ def test_disk_full_during_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_unwritable_checkpoint_folder_and_run_folder(tmp_path):
-    from tests.probformer.test_checkpoint import unwritable
+    from tests.builders import unwritable
 
     config = write_config(tmp_path, steps=2)
     train(config, tmp_path / "run", progress=False)

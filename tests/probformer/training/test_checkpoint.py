@@ -1,13 +1,11 @@
 import json
-import shutil
-import subprocess
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 import probformer as pf
 from probformer.training import checkpoint, data
+from tests.builders import unwritable
 
 
 def models():
@@ -54,33 +52,6 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
 
 
 # ---- non-finite weights and failed writes ----------------------------------------------
-
-
-@contextmanager
-def unwritable(folder):
-    """``folder``, created and made unwritable: read-only permissions, or (for root, whom
-    permissions do not stop) the immutable attribute; skips where neither works."""
-    folder.mkdir(parents=True, exist_ok=True)
-    folder.chmod(0o555)
-    immutable = False
-    try:
-        try:
-            (folder / ".probe").touch()
-        except OSError:
-            pass
-        else:  # root: permissions do not apply
-            (folder / ".probe").unlink()
-            chattr = shutil.which("chattr")
-            immutable = (
-                bool(chattr) and subprocess.run([chattr, "+i", str(folder)], capture_output=True).returncode == 0
-            )
-            if not immutable:
-                pytest.skip("cannot make a folder unwritable here (root, no chattr +i)")
-        yield folder
-    finally:
-        if immutable:
-            subprocess.run([shutil.which("chattr"), "-i", str(folder)], check=True)
-        folder.chmod(0o755)
 
 
 SMALL = {

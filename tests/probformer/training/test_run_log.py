@@ -48,7 +48,11 @@ diagnostics_every = 3
 checkpoint_every = 1
 threads = 1
 """
+
+
 PT = "labels = 8\nchannels = 2\nrank = 2\niterations = 2\nmup = true"
+
+
 PARTICLE = "width = 16\nheads = 2\nlayers = 2\nffn_width = 32"
 
 

@@ -21,7 +21,10 @@ from probformer.training.run_config import DataConfig, TrainConfig
 
 FAST = 0.5  # seconds: far above a check, far below building a 10**12-row embedding
 
+
 CONFIGS = {kind: registry.classes(kind)[0] for kind in registry.KINDS} | {"data": DataConfig, "train": TrainConfig}
+
+
 REQUIRED = {"vocab_size": 10}  # the model configs' one required key
 
 
@@ -50,6 +53,8 @@ def number_keys(cls):
 
 
 INT_CASES = [(kind, key) for kind, cls in CONFIGS.items() for key in int_keys(cls)]
+
+
 FLOAT_CASES = [(kind, key) for kind, cls in CONFIGS.items() for key in number_keys(cls)]
 
 
@@ -174,6 +179,8 @@ TYPE_ORACLE = {
     "list": lambda v: isinstance(v, list),
     "None": lambda v: v is None,
 }
+
+
 WRONG_TYPED = [None, "0.1", "yes", True, 2, 0.5, [1], {"a": 1}, b"1"]
 
 

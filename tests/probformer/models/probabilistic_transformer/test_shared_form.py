@@ -13,6 +13,8 @@ import probformer as pf
 from probformer import mup
 
 torch.set_num_threads(1)
+
+
 VOCAB = 40
 
 

@@ -26,7 +26,11 @@ from probformer.models.pretrained import PretrainedMixin
 from probformer.training.run_config import RunConfig
 
 torch.set_num_threads(1)
+
+
 VOCAB = 30
+
+
 CONFIGS = {
     "probabilistic_transformer": dict(vocab_size=VOCAB, labels=8, channels=2, rank=3, global_labels=2, iterations=2),
     "particle_transformer": dict(vocab_size=VOCAB, width=8, heads=2, layers=2, ffn_width=16, max_length=12),
@@ -36,6 +40,8 @@ CONFIGS = {
         vocab_size=VOCAB, width=8, heads=2, local_layers=1, global_layers=1, ffn_width=16, segment=4
     ),
 }
+
+
 # docs/models.md's table: for each kind, alias -> the canonical key it stands for
 ALIASES = {
     "probabilistic_transformer": {"hidden_size": "labels", "num_heads": "channels", "head_dim": "rank"}
@@ -48,6 +54,8 @@ ALIASES = {
     | {"intermediate_size": "ffn_width"},
     "folded_context": {"hidden_size": "width", "num_heads": "heads", "intermediate_size": "ffn_width"},
 }
+
+
 KINDS = sorted(CONFIGS)
 
 

@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from probformer.models.probabilistic_transformer import ProbabilisticTransformer, PTConfig
 
 PINNED = "tests/data/pt_outputs_bf4904d.safetensors"
+
+
 CONFIGS = {
     "reference": dict(
         vocab_size=40, labels=16, channels=2, rank=4, global_labels=8, gamma=2, iterations=3,

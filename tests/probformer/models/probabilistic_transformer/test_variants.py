@@ -12,6 +12,8 @@ import probformer
 from probformer.training.trainer import train
 
 torch.set_num_threads(1)
+
+
 VOCAB = 30
 
 

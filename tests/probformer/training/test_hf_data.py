@@ -24,7 +24,11 @@ def offline(tmp_path, monkeypatch):
 
 
 TRAIN = ["  the cat sat  ", "", "a dog ran", "the end"]
+
+
 VALIDATION = ["one more line"]
+
+
 TEST = ["held for testing", "   "]
 
 

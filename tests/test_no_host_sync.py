@@ -19,11 +19,15 @@ from probformer.models.probabilistic_transformer import ProbabilisticTransformer
 from probformer.models.swarmformer import SwarmConfig, SwarmFormer
 
 VOCAB = 20
+
+
 VALUE_READS = {
     torch.ops.aten._local_scalar_dense.default,
     torch.ops.aten.is_nonzero.default,
     torch.ops.aten.item.default,
 }
+
+
 COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 
 
