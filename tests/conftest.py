@@ -1,3 +1,19 @@
+"""The tests mirror the packages: the tests of ``graphs/topology/reader.py`` live in
+``tests/graphs/topology/test_reader.py``, those of ``inference/mean_field/kernels/fused/`` in
+``tests/inference/mean_field/kernels/fused/``. Each test file tests one module (or one
+subpackage, and is then named after it); a module with more tests than one file holds gets a
+folder of its own (``tests/inference/mean_field/engine/``).
+
+Laws that hold across every engine or every model kind, and checks of the repository itself,
+live at this top level: padding invariance, the posterior contract, non-finite input and
+weights, compiling and running every model kind without a host sync, docs, examples, layout,
+reliability, processes, the GPU check and the convergence study.
+
+Helpers that more than one file uses live in ``builders.py`` (CRFs, batches, configs, kernel
+inputs), ``oracles.py`` (answers computed independently of the library), ``strategies.py``
+(hypothesis strategies) and the conftest fixtures; no test file imports another. Every folder
+is a package, so test basenames may repeat across folders."""
+
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
