@@ -1,5 +1,6 @@
-"""graphs.topology.arc_set (``Topology``): its graph, unions, lengths, band and per-row arcs,
-against each topology restated as a predicate over (dependent, head, n) in tests/oracles.py."""
+"""graphs.topology.arc_set (``Topology``): its graph, unions (and their token rules),
+lengths, band, border and per-row arcs, against each topology restated as a predicate over
+(dependent, head, n) in tests/oracles.py."""
 
 import networkx as nx
 import pytest
@@ -80,3 +81,38 @@ def test_arcs_rejects_a_bad_mask():
         topology.full().arcs(torch.ones(3, 4))
     with pytest.raises(ValueError, match="mask must be a bool tensor"):
         topology.full().arcs(torch.ones(4, dtype=torch.bool))
+
+
+UNIONS = [
+    "window(2) | root()",
+    "segments(3) | root()",
+    "window(1) | star()",
+    "causal() | window(2)",
+    "chain() | root()",
+]
+
+
+@pytest.mark.parametrize("spec", UNIONS)
+@given(n=st.integers(1, 20))
+def test_a_union_ors_its_operands_token_rules(spec, n):
+    left, right = (topology.parse(part) for part in spec.split("|"))
+    union, pos = topology.parse(spec), torch.arange(n)
+    i, j = pos[:, None], pos[None, :]
+    assert torch.equal(union.token_rule(i, j), left.token_rule(i, j) | right.token_rule(i, j))
+    assert torch.equal(union.token_rule(i, j), union.mask(n)[:n, :n])
+
+
+def test_a_union_with_a_table_only_topology_has_no_rule():
+    assert topology.parse("window(2) | star(wrap=True)").token_rule is None
+    assert topology.from_mask(torch.ones(4, 4, dtype=torch.bool).triu(1)).token_rule is None
+
+
+@pytest.mark.parametrize("spec", SPECS + LENGTH_DEPENDENT + UNIONS + ["star(wrap=True)", "clusters(2) | root()"])
+@given(n=st.integers(1, 16), seed=st.integers(0, 1000))
+def test_the_border_is_the_arcs_touching_a_virtual_node(spec, n, seed):
+    made = topology.parse(spec)
+    mask = torch.rand(3, n, generator=torch.Generator().manual_seed(seed)) < 0.7
+    arcs = made.arcs(mask)
+    to_virtual, virtual_rows = made.border(mask)
+    assert torch.equal(to_virtual, arcs[:, :n, n:])
+    assert torch.equal(virtual_rows, arcs[:, n:, :])

@@ -142,3 +142,17 @@ def test_flag_arguments_must_be_bools(bad):
     for make, name in cases:
         with pytest.raises(ValueError, match=name + r" must be True or False"):
             make()
+
+
+@pytest.mark.parametrize("topo,rule,extra", CASES, ids=[c[0].name for c in CASES])
+@given(n=st.integers(1, 24))
+def test_the_token_rule_is_the_predicate(topo, rule, extra, n):
+    """A built-in's rule of positions (what a kernel asks for the blocks it reads) against
+    its predicate between tokens; star(wrap=True), whose ring depends on n, has none."""
+    if topo.token_rule is None:
+        assert topo.name == "star(wrap=True)"
+        return
+    expected = expected_mask(rule, n, extra)[:n, :n]
+    pos = torch.arange(n)
+    assert torch.equal(topo.token_rule(pos[:, None], pos[None, :]), expected)
+    assert torch.equal(topo.token_rule_transposed(pos[:, None], pos[None, :]), expected.T)

@@ -1,0 +1,43 @@
+"""inference.mean_field.kernels.structure (HeadStructure): a structure that reads its
+topology's rule of positions against one given the token table written out in the test
+from each topology's predicate (tests/oracles.py): the same rows with a head, diagonals,
+arcs and table."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphs
+from inference.mean_field.kernels.structure import HeadStructure
+from tests.oracles import TOPOLOGY_CASES as CASES
+
+RULED = [(topo, rule) for topo, rule, _ in CASES if topo.token_rule is not None]
+
+
+def predicate_table(rule, n: int) -> torch.Tensor:
+    return torch.tensor([[i != j and rule(i, j, n) for j in range(n)] for i in range(n)], dtype=torch.bool)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=st.sampled_from(RULED), n=st.integers(1, 30), seed=st.integers(0, 1000))
+def test_a_structure_reading_the_rule_equals_one_given_the_table(case, n, seed):
+    topo, rule = case
+    crf = graphs.CRF(vocab_size=5, labels=2, topology=topo)
+    mask = torch.rand(2, n, generator=torch.Generator().manual_seed(seed)) < 0.8
+    table = predicate_table(rule, n)
+    common = dict(n=n, gamma=crf.gamma, nodes=crf.node_mask(mask), band=topo.band, border=topo.border(mask))
+    by_rule = HeadStructure(**common, topology=topo)
+    by_table = HeadStructure(**common, token_arcs=table, topology=topo)
+    assert by_rule.token_rule is not None and by_table.token_rule is None
+    assert torch.equal(by_rule.has_head, by_table.has_head)
+    for offset in range(-n + 1, n):
+        assert torch.equal(by_rule.diagonal(offset), by_table.diagonal(offset))
+    assert torch.equal(by_rule.arcs, by_table.arcs)
+    assert torch.equal(by_rule.token_arcs, table)  # built on first read
+
+
+def test_a_structure_needs_its_table_or_a_topology():
+    import pytest
+
+    with pytest.raises(ValueError, match="needs its token_arcs or a topology"):
+        HeadStructure(n=2, gamma=1, nodes=torch.ones(1, 2, dtype=torch.bool))
