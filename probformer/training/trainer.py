@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from probformer.diagnostics.probe import layer_metrics
 from probformer.models import registry
 from probformer.models.mup_parametrization import param_groups
-from probformer.training import checkpoint, crash_points, run_checkpoints, run_config
+from probformer.training import checkpoint, crash_points, placement, run_checkpoints, run_config
 from probformer.training.corpus import IGNORE, collate, epoch_order, inputs_and_targets, prepare_corpus
 from probformer.training.data import SubwordVocabulary
 from probformer.training.early_stopping import EarlyStopping
@@ -68,9 +68,9 @@ class Trainer:
         self.config, self.out, self.resume = config, Path(out), resume
         self.rank, self.world = 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            self._init_distributed()
+            self.rank, self.world = placement.init_distributed(config.train.device)
         self.progress = progress and self.rank == 0  # bar and messages
-        torch.set_num_threads(config.train.threads or _default_threads(self.world))
+        torch.set_num_threads(config.train.threads or placement.default_threads(self.world))
 
         # everything that can be wrong is checked before the output folder exists
         self.resume_from = resume_source(self.out, config) if resume else None
@@ -88,7 +88,7 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
         _, model_cls = registry.classes(config.kind)
-        self.device = _resolve_device(config.train.device)
+        self.device = placement.resolve_device(config.train.device)
         self.model = model_cls(model_config).to(self.device)  # before the optimiser: its state follows
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.groups = param_groups(self.model, config.train.lr, config.train.weight_decay)
@@ -117,24 +117,6 @@ class Trainer:
             if (self.out / "checkpoints" / "latest").exists():
                 raise FileExistsError(f"{self.out} already holds a run; pass --resume or choose another --out")
             self._create_run_folder()
-
-    # -- distributed --
-
-    def _init_distributed(self):
-        import torch.distributed as dist
-
-        cuda = self.config.train.device == "cuda" or (self.config.train.device == "auto" and torch.cuda.is_available())
-        backend = "nccl" if cuda else "gloo"  # nccl moves CUDA tensors only
-        if not dist.is_initialized():
-            dist.init_process_group(backend)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-
-    def _all_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(value)
-        return value
 
     # -- what is logged --
 
@@ -266,7 +248,7 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(parameters, train.clip)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-        total = self._all_sum(loss_sum.detach().clone())
+        total = placement.all_sum(loss_sum.detach().clone(), self.world)
         loss_total, grad_norm = torch.stack([total, norm.to(total)]).tolist()
         loss = loss_total / max(count, 1)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -306,10 +288,7 @@ class Trainer:
         finally:
             progress.close()
             self.log.close()
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+        placement.barrier(self.world)
         return summary
 
     def _loop(self, progress: Progress) -> dict:
@@ -361,7 +340,7 @@ class Trainer:
         """Every process learns rank 0's early-stopping decision (only rank 0 validates)."""
         if self.world > 1:
             flag = torch.tensor([float(self.rank == 0 and self.early_stopping.stop)], device=self.device)
-            stop = bool(self._all_sum(flag).item())  # a validation step: the host waits for it anyway
+            stop = bool(placement.all_sum(flag, self.world).item())  # a validation step: the host waits for it anyway
             if self.rank != 0:
                 self.early_stopping.since_best = self.early_stopping.patience if stop else 0
         if self.early_stopping.stop:
@@ -402,28 +381,6 @@ class Trainer:
 
     def plot(self) -> Path:
         return self.log.plot(f"{self.config.kind} ({self.parameters / 1e6:.2f}M parameters)")
-
-
-def _resolve_device(name: str) -> torch.device:
-    """``train.device`` as a torch device: "auto" is CUDA when present, else the CPU;
-    under torchrun each process takes the CUDA device of its local rank."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():  # the config refuses this first; a guard
-        raise ValueError("config key 'train.device' is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
-    if name != "cuda":
-        return torch.device(name)
-    index = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def _default_threads(world: int) -> int:
-    """OMP_NUM_THREADS when set (benchmarks run jobs side by side), else the cores split
-    between processes, at most 2: oversubscribed threads have made runs 50x slower."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    return max(1, min(2, os.cpu_count() or 1) // world)
 
 
 def train(config: RunConfig | str | Path, out, resume: bool = False, progress: bool = True) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from probformer import cli
-from probformer.training import checkpoint, run_config, trainer
+from probformer.training import checkpoint, placement, run_config, trainer
 from probformer.training.trainer import train
 from tests.builders import train_losses
 
@@ -74,16 +74,16 @@ def test_device_values(monkeypatch):
         run_config.TrainConfig(device="gpu")
     assert run_config.TrainConfig().device == "auto"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert trainer._resolve_device("auto") == trainer._resolve_device("cpu") == torch.device("cpu")
+    assert placement.resolve_device("auto") == placement.resolve_device("cpu") == torch.device("cpu")
     # where CUDA is present, auto picks it, and each torchrun process its local rank's device
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert run_config.TrainConfig(device="cuda").device == "cuda"  # accepted where CUDA is
-    assert trainer._resolve_device("auto") == trainer._resolve_device("cuda") == torch.device("cuda", 1)
+    assert placement.resolve_device("auto") == placement.resolve_device("cuda") == torch.device("cuda", 1)
     assert chosen == [1, 1]
-    assert trainer._resolve_device("cpu") == torch.device("cpu")
+    assert placement.resolve_device("cpu") == torch.device("cpu")
 
 
 @NO_CUDA

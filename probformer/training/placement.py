@@ -1,0 +1,58 @@
+"""Where a run computes: its device, its thread count and, under ``torchrun``, the
+processes of a data-parallel run (gloo on CPU, nccl on CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["resolve_device", "default_threads", "init_distributed", "all_sum", "barrier"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``train.device`` as a torch device: "auto" is CUDA when present, else the CPU;
+    under torchrun each process takes the CUDA device of its local rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():  # the config refuses this first; a guard
+        raise ValueError("config key 'train.device' is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+    if name != "cuda":
+        return torch.device(name)
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def default_threads(world: int) -> int:
+    """OMP_NUM_THREADS when set (benchmarks run jobs side by side), else the cores split
+    between processes, at most 2: oversubscribed threads have made runs far slower."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, min(2, os.cpu_count() or 1) // world)
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    """``(rank, world size)`` of this process in the ``torchrun`` group, joined here."""
+    import torch.distributed as dist
+
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")  # nccl moves CUDA tensors only
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_sum(value: torch.Tensor, world: int) -> torch.Tensor:
+    """``value`` summed over the processes, in place (itself on one process)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(value)
+    return value
+
+
+def barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
