@@ -16,6 +16,11 @@ from graphs.topology.arc_set import Topology
 from graphs.topology.builtins import NAMES, causal, chain, clusters, full, root, segments, star, window
 from graphs.topology.reader import from_callable, from_data, from_graph, from_mask, parse
 
+# ``Topology.from_data(d)`` stays where users call it. The one reader of specs makes
+# Topologies, so it imports arc_set; the method is attached here, where both are known,
+# and arc_set never imports the reader.
+Topology.from_data = staticmethod(from_data)
+
 __all__ = [
     "Topology",
     "full",

@@ -64,7 +64,7 @@ def test_a_graph_a_mask_and_their_data_give_the_written_arcs(data, length):
     graph.add_nodes_from(range(n_max))
     graph.add_edges_from(arcs)
     from_graph, from_mask = topology.parse(graph), topology.parse(mask_of(arcs, n_max))
-    restored = topology.from_data(json.loads(json.dumps(from_graph.to_data())))
+    restored = topology.Topology.from_data(json.loads(json.dumps(from_graph.to_data())))
     for made in (from_graph, from_mask, restored):
         if length <= n_max:  # a sentence of length n uses the subgraph on 0..n-1
             assert torch.equal(made.mask(length), mask_of(arcs, length))
