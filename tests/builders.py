@@ -268,6 +268,13 @@ def weighted_loss(results, names, weights, outputs):
     return sum((x * w).sum() for name, x, w in zip(names, results, weights) if name in outputs)
 
 
+def write_tiny_run_config(tmp_path, name="run.toml", dropout=0.1, source="ptb", task="mlm", max_length=90, steps=8):
+    """``TINY_PT_RUN`` written to ``tmp_path / name`` with these values filled in."""
+    path = tmp_path / name
+    path.write_text(TINY_PT_RUN.format(dropout=dropout, source=source, task=task, max_length=max_length, steps=steps))
+    return path
+
+
 def train_losses(run: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]

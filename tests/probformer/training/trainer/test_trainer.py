@@ -16,16 +16,11 @@ import torch
 
 from probformer.training import checkpoint, run_config
 from probformer.training.corpus import epoch_order
-from probformer.training.evaluate import attachment_scores, evaluate
+from probformer.training.evaluate import evaluate
 from probformer.training.trainer import Trainer, latest_checkpoint, train
 from tests.builders import TINY_PT_RUN as TINY
 from tests.builders import train_losses
-
-
-def write_config(tmp_path, name="run.toml", dropout=0.1, source="ptb", task="mlm", max_length=90, steps=8):
-    path = tmp_path / name
-    path.write_text(TINY.format(dropout=dropout, source=source, task=task, max_length=max_length, steps=steps))
-    return path
+from tests.builders import write_tiny_run_config as write_config
 
 
 def cli(*args, env=None, **kwargs):
@@ -193,93 +188,6 @@ def test_epoch_order_is_a_deterministic_permutation():
     assert sorted(i for batch in order for i in batch) == list(range(len(lengths)))
     assert order == epoch_order(lengths, batch_size=3, seed=1, epoch=2)
     assert order != epoch_order(lengths, batch_size=3, seed=1, epoch=3)
-
-
-CONLLU = """# text = tiny
-1\tdogs\tdog\tNOUN\tNNS\t_\t2\tnsubj\t_\t_
-2\tbark\tbark\tVERB\tVBP\t_\t0\troot\t_\t_
-3\tloudly\tloudly\tADV\tRB\t_\t2\tadvmod\t_\t_
-
-1\tcats\tcat\tNOUN\tNNS\t_\t2\tnsubj\t_\t_
-2\tsleep\tsleep\tVERB\tVBP\t_\t0\troot\t_\t_
-
-"""
-
-
-@pytest.fixture
-def tiny_ewt(tmp_path, monkeypatch):
-    folder = tmp_path / "ewt"
-    folder.mkdir()
-    for split in ("train", "dev", "test"):
-        (folder / f"en_ewt-ud-{split}.conllu").write_text(CONLLU * 20)
-    monkeypatch.setenv("PROBFORMER_EWT", str(folder))
-    return folder
-
-
-def test_pos_tagging_and_attachment_scores(tmp_path, tiny_ewt):
-    config = write_config(tmp_path, source="ewt", task="pos", max_length=10, steps=30)
-    text = config.read_text().replace("iterations = 2", 'iterations = 2\ntopology = "full | root()"')
-    config.write_text(text.replace("lr = 3e-3", "lr = 3e-2"))
-    train(config, tmp_path / "run", progress=False)
-    pos = evaluate(tmp_path / "run", "pos", "ewt")
-    assert pos["tokens"] == 20 * 5  # every word of the dev file
-    assert pos["accuracy"] > 0.9  # four words, four tags: learnable in 30 steps
-    uas = evaluate(tmp_path / "run", "uas", "ewt")
-    assert uas["words"] == 5 * 20 and uas["root_node"]
-    assert len(uas["per_channel"]) == 2 and 0 <= uas["mean"] <= uas["best_channel"] <= 1
-    # the neighbour baselines are exact on this data: 'dogs'/'cats' head right, 'loudly' left
-    assert uas["right_neighbour_baseline"] == pytest.approx(2 / 5)
-    assert uas["left_neighbour_baseline"] == pytest.approx(1 / 5)
-
-
-def test_attachment_scores_of_a_known_posterior(tiny_ewt):
-    """A model whose head posterior is 'the next word' scores exactly the right-neighbour
-    baseline on the channel that says so."""
-    from probformer.training import data
-
-    class NextWord(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mean_field = True
-            self.crf = type("C", (), {"channels": 1, "topology": type("T", (), {"virtual": ()})()})()
-
-        def forward(self, tokens, mask):
-            n = tokens.shape[1]
-            heads = torch.zeros(tokens.shape[0], 1, n, n)
-            heads[:, 0, torch.arange(n - 1), torch.arange(1, n)] = 1
-            return None, type("P", (), {"h": heads})()
-
-    vocabulary = data.Vocabulary.build([["dogs", "bark"]])
-    trees = data.read_conllu(tiny_ewt / "en_ewt-ud-dev.conllu")
-    scores = attachment_scores(NextWord(), vocabulary, trees)
-    assert scores["best_channel"] == pytest.approx(scores["right_neighbour_baseline"])
-
-
-def test_attachment_scores_count_only_the_root_node_as_root(tiny_ewt):
-    """star() | root(): virtual node n is the relay, n + 1 ROOT. A channel that always picks
-    the relay scores 0 (it used to be credited with every gold root); one that always picks
-    ROOT scores the share of words whose gold head is 0."""
-    from probformer.training import data
-
-    class VirtualHeads(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mean_field = True
-            self.crf = type("C", (), {"channels": 2, "topology": type("T", (), {"virtual": ("relay", "root")})()})()
-
-        def forward(self, tokens, mask):
-            B, n = tokens.shape
-            heads = torch.zeros(B, 2, n + 2, n + 2)
-            heads[:, 0, :, n] = 1  # the relay
-            heads[:, 1, :, n + 1] = 1  # ROOT
-            return None, type("P", (), {"h": heads})()
-
-    vocabulary = data.Vocabulary.build([["dogs", "bark"]])
-    trees = data.read_conllu(tiny_ewt / "en_ewt-ud-dev.conllu")
-    roots = sum(head == 0 for tree in trees for head in tree.heads)
-    words = sum(len(tree.heads) for tree in trees)
-    scores = attachment_scores(VirtualHeads(), vocabulary, trees)
-    assert roots > 0 and scores["per_channel"] == pytest.approx([0.0, roots / words])
 
 
 def test_bf16_autocast_trains(tmp_path):
