@@ -31,9 +31,11 @@ def _check_tensor(name: str, value) -> torch.Tensor:
             array = np.asarray(value)
         except ValueError as error:  # a ragged list: numbers, but no array shape
             raise ValueError(f"{name} must be a tensor or array of real numbers, got {value!r:.80} ({error})") from None
-        if array.dtype.kind not in "biufc":  # strings, objects
+        if array.dtype.kind == "c":
+            raise TypeError(f"{name} must hold real numbers, got dtype {array.dtype}")
+        if array.dtype.kind not in "biuf":  # strings, objects
             raise TypeError(f"{name} must be a tensor or array of real numbers, got {value!r:.80}")
-        value = torch.as_tensor(array.astype(np.complex128 if array.dtype.kind == "c" else np.float64))
+        value = torch.as_tensor(array.astype(np.float64))
     if value.dtype.is_complex:
         raise TypeError(f"{name} must hold real numbers, got dtype {value.dtype}")
     if not value.dtype.is_floating_point:
@@ -49,9 +51,11 @@ def _check_dim(dim, ndim: int) -> int:
     if ndim == 0:
         raise ValueError("the weights must have at least one dim (the weights to measure), got a 0-d value")
     low, high = -ndim, ndim - 1
-    wrong = TypeError if isinstance(dim, bool) or not isinstance(dim, int) else ValueError
-    if wrong is TypeError or not low <= dim <= high:
-        raise wrong(f"dim must be an integer in [{low}, {high}] (the weights have {ndim} dims), got {dim!r}")
+    message = f"dim must be an integer in [{low}, {high}] (the weights have {ndim} dims), got {dim!r}"
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(message)
+    if not low <= dim <= high:
+        raise ValueError(message)
     return dim
 
 

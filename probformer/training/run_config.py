@@ -69,20 +69,23 @@ _TRAIN_REALS = {"lr": (0.0, 10.0, False), "weight_decay": (0.0, 10.0, True), "cl
 def _check_integer_ranges(config, section: str, ranges: dict[str, tuple[int, int]]) -> None:
     for name, (low, high) in ranges.items():
         value = getattr(config, name)
-        wrong = TypeError if isinstance(value, bool) or not isinstance(value, int) else ValueError
-        if wrong is TypeError or not low <= value <= high:
-            raise wrong(f"config key '{section}.{name}' must be an integer in [{low}, {high:,}], got {value!r}")
+        message = f"config key '{section}.{name}' must be an integer in [{low}, {high:,}], got {value!r}"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(message)
+        if not low <= value <= high:
+            raise ValueError(message)
 
 
 def _check_real_ranges(config, section: str, ranges: dict[str, tuple[float, float, bool]]) -> None:
     """``(low, high, low allowed)``: finite numbers in the range (NaN and infinities refused)."""
     for name, (low, high, closed) in ranges.items():
         value = getattr(config, name)
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not number or not math.isfinite(value) or not (low <= value if closed else low < value) or value > high:
-            interval = f"{'[' if closed else '('}{low:g}, {high:g}]"
-            wrong = ValueError if number else TypeError
-            raise wrong(f"config key '{section}.{name}' must be a finite number in {interval}, got {value!r}")
+        interval = f"{'[' if closed else '('}{low:g}, {high:g}]"
+        message = f"config key '{section}.{name}' must be a finite number in {interval}, got {value!r}"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(message)
+        if not math.isfinite(value) or not (low <= value if closed else low < value) or value > high:
+            raise ValueError(message)
 
 
 @dataclass

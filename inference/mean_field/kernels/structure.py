@@ -27,7 +27,7 @@ __all__ = ["HeadStructure", "HeadMessages"]
 # float copies of non-band token tables (has_head's counts), newest last: key -> (table, copy)
 _FLOAT_TABLES: dict = {}
 _FLOAT_TABLES_KEPT = 8
-_RULE_ROWS = 1024  # rows of a token rule evaluated at once (has_head off a band)
+_RULE_ROWS = 128  # rows of a token rule evaluated at once (has_head off a band): O(128 n) memory
 
 
 class HeadStructure:
@@ -66,6 +66,7 @@ class HeadStructure:
         if token_arcs is None and topology is None:
             raise ValueError("a HeadStructure needs its token_arcs or a topology to read them from")
         self.n, self.gamma, self.nodes, self._token_arcs = n, gamma, nodes, token_arcs
+        self._table_built = None  # the topology's table, once a kernel read it whole
         self.band, self.prior, self.cuts, self.topology = band, prior, cuts, topology
         self._groups, self._arcs, self._border, self._has_head = groups, arcs, border, None
         self.cache: dict = {}  # what a kernel derives from this batch once (flex's block masks)
@@ -97,9 +98,11 @@ class HeadStructure:
     def token_arcs(self) -> torch.Tensor:
         """``[n, n]`` bool: the topology alone between tokens (the table: built on first read
         when the structure was given the topology's rule)."""
-        if self._token_arcs is None:
-            self._token_arcs = self.topology.mask(self.n, self.nodes.device)[: self.n, : self.n]
-        return self._token_arcs
+        if self._token_arcs is not None:
+            return self._token_arcs
+        if self._table_built is None:  # built once; the rule stays what the other kernels ask
+            self._table_built = self.topology.mask(self.n, self.nodes.device)[: self.n, : self.n]
+        return self._table_built
 
     @property
     def token_rule(self):
