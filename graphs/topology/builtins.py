@@ -91,9 +91,9 @@ def star(wrap: bool = False) -> Topology:
     def build(n: int) -> torch.Tensor:
         i, j = _positions(n + 1)
         tokens = (i < n) & (j < n)
-        ring = tokens & ((j - i).abs() == 1)
+        ring = tokens & ((j == i - 1) | (j == i + 1))  # comparisons of positions: no [n, n] integers
         if wrap:  # first <-> last (for n <= 2 these are neighbours or self-arcs already)
-            ring = ring | (tokens & ((j - i).abs() == n - 1))
+            ring = ring | (tokens & ((j == i - (n - 1)) | (j == i + (n - 1))))
         return ring | ((i < n) & (j == n)) | ((i == n) & (j < n))  # tokens <-> relay
 
     def build_border(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
