@@ -191,16 +191,13 @@ class MeanField(nn.Module):
         tokens, mask = crf.check_any(tokens, mask, embeddings)  # the CRF owns what it reads
         crf.check_parameters()
         n = tokens.shape[1]
-        # memory linear in n: the [B, N, N] arcs and [N, N] groups are built only if a
+        # memory linear in n: the token table, the [B, N, N] arcs and [N, N] groups are built only if a
         # materialising kernel reads them (HeadStructure's docstring)
         structure = HeadStructure(
             n=n,
             gamma=crf.gamma,
             cuts=crf.distance_cuts,
             nodes=crf.node_mask(mask),
-            # the topology's rule where it has one (a kernel asks it for the blocks it reads),
-            # else its table: a cached copy per (n, device)
-            token_arcs=None if crf.topology.token_rule is not None else crf.topology.mask(n, tokens.device)[:n, :n],
             border=crf.topology.border(mask),
             band=crf.topology.band,
             prior=None if self.span is None else self.span_prior(n, crf.topology.num_nodes(n)),
