@@ -289,7 +289,6 @@ def _compiles_and_syncs(step, device: torch.device, sizes: Sizes) -> dict:
     for _ in range(sizes.warmup):
         step()
     before = counters["stats"]["unique_graphs"]
-    syncs = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if device.type == "cuda":
@@ -300,9 +299,12 @@ def _compiles_and_syncs(step, device: torch.device, sizes: Sizes) -> dict:
         finally:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # where each sync was asked for (the warning's Python frame), so the next run can name it
+    sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
     return {"loop_steps": sizes.train_steps, "recompiles_after_warmup": counters["stats"]["unique_graphs"] - before,
-            "host_syncs_in_loop": syncs if device.type == "cuda" else None}  # fmt: skip
+            "host_syncs_in_loop": len(syncs) if device.type == "cuda" else None,
+            "host_sync_sites": sites[:8]}  # fmt: skip
 
 
 def finite(value) -> bool:

@@ -29,3 +29,28 @@ def test_test_modules_importing_a_missing_package_are_left_out_by_name():
     assert "tests/inference/smc/test_pyro_state_space.py" in left_out  # it imports pyro at module level
     assert not set(gpu_check.CUDA_TEST_FILES) & set(left_out)
     assert gpu_check.left_out_test_modules([]) == []
+
+
+def test_the_profile_and_precision_scripts_dry_run_on_the_cpu(tmp_path, capsys, monkeypatch):
+    """benchmarks/gpu_profile.py and benchmarks/flex_precision.py, the GPU run's follow-ups,
+    run with the dry run's sizes on the CPU; the precision script's float32 logits agree with
+    the float64 fused kernel there (no tensor cores: ieee arithmetic on the CPU)."""
+    from benchmarks import flex_precision, gpu_profile
+    from inference.mean_field.kernels import flex as flex_module
+
+    precision = flex_module._CUDA_FLOAT32_PRECISION
+    monkeypatch.setattr(flex_module, "_CUDA_FLOAT32_PRECISION", precision)  # restored after the test
+
+    out = tmp_path / "profile.txt"
+    argv = ["--device", "cpu", "--tiny", "--n", "16", "--rows", "3", "--threads", "1", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", ["gpu_profile", *argv])
+    gpu_profile.main()
+    assert "seconds per step without profiler" in out.read_text() and "aten::" in out.read_text()
+    capsys.readouterr()
+    monkeypatch.setattr(
+        "sys.argv", ["flex_precision", "--device", "cpu", "--tiny", "--lengths", "16", "--threads", "1"]
+    )
+    flex_precision.main()
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["n"] == 16 and row["pt_s"] > 0 and row["layer_s"] > 0
+    assert row["relative_logit_error"] < 1e-5

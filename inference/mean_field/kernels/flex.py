@@ -53,6 +53,18 @@ __all__ = ["flex", "flex_available", "COMPILE_BACKEND", "COMPILED_DEVICES"]
 _MIN_HEAD_DIM = 16
 # the Triton backend: the FLASH backend's backward does not differentiate through the lse
 _KERNEL_OPTIONS = {"BACKEND": "TRITON"}
+# float32 dot products on CUDA: three TF32 tensor-core products (hi*hi + hi*lo + lo*hi), close
+# to float32's precision (the scores reach hundreds, so plain TF32 errs by tenths); Triton's
+# "ieee" float32 dot runs without tensor cores and starves the kernel
+_CUDA_FLOAT32_PRECISION = "'tf32x3'"
+
+
+def _kernel_options(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {**_KERNEL_OPTIONS, "FLOAT32_PRECISION": _CUDA_FLOAT32_PRECISION}
+    return _KERNEL_OPTIONS
+
+
 # where the compiled kernel runs, and through which torch.compile backend (tests run the
 # compiled path on the CPU with "aot_eager", without gradients)
 COMPILED_DEVICES = frozenset({"cuda"})
@@ -120,7 +132,8 @@ def _attention(q, k, v, block_mask, kind: tuple = ()):
         lse = lse_base2 * math.log(2)  # the reference returns the kernels' base-2 lse
     elif torch.compiler.is_compiling():  # inside a compiled model: traced into its graph
         out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=1.0, enable_gqa=gqa,
-                                  return_aux=AuxRequest(lse=True), kernel_options=_KERNEL_OPTIONS)  # fmt: skip
+                                  return_aux=AuxRequest(lse=True),
+                                  kernel_options=_kernel_options(q.device))  # fmt: skip
         lse = aux.lse
     else:
         out, lse = _run_compiled(q, k, v, block_mask, gqa, kind)
@@ -134,7 +147,7 @@ def _run_compiled(q, k, v, block_mask, gqa: bool, kind: tuple):
     attend = _compiled(configuration)
     options = dict(scale=1.0, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
     if COMPILE_BACKEND == "inductor":
-        options["kernel_options"] = _KERNEL_OPTIONS
+        options["kernel_options"] = _kernel_options(q.device)
     # past the recompile limit Dynamo would run flex eagerly (O(n^2) memory) with a warning;
     # duck sizing would tie sizes that happen to be equal (a batch of 2 and 2 blocks)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), _no_duck_shapes():
