@@ -4,6 +4,7 @@ for PATIENCE epochs (at most MAX_EPOCHS).
 
     .venv/bin/python -m benchmarks.convergence                # run / resume the study
     .venv/bin/python -m benchmarks.convergence --workers 2    # two runs side by side
+    .venv/bin/python -m benchmarks.convergence --models pt,bert,ut,pt@0.01   # arms: model[@lr]
     .venv/bin/python -m benchmarks.convergence_report         # the table, the plot, the claim
 
 The recipe, stated in the table: the model's config (configs/<model>-small.toml) with
@@ -13,7 +14,11 @@ validation on the whole PTB validation set at the end of every epoch; early stop
 (``train.patience``) after PATIENCE epochs without a new best validation loss; one torch
 thread per run.
 
-Resumable across sessions: each run lives in runs/convergence/<model>-small-s<seed>/ and
+An arm ``model@lr`` trains the model at a fixed learning rate instead of the sweep's (the
+default study adds ``pt@0.01``: PT's tuned rate, 0.03, is 10x the baselines' and was chosen
+for a one-epoch decay, so the study also shows PT at the sweep's second-best rate).
+
+Resumable across sessions: each run lives in runs/convergence/<arm>-s<seed>/ and
 continues from its last checkpoint through the trainer's exact resume (a kill changes no
 number). Runs advance in turns of --slice epochs, the run with the fewest epochs first,
 so a partial study has every curve at about the same length; a turn ends right after an
@@ -32,9 +37,11 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 MODELS = ("pt", "bert", "ut")
+ARMS = "pt,bert,ut,pt@0.01"
 MAX_EPOCHS = 40
 PATIENCE = 3
 ROOT = Path("runs/convergence")
@@ -51,6 +58,44 @@ def tuned_lr(config: str) -> float:
     return min(runs, key=lambda r: r["valid_perplexity"])["lr"]
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One line of the study: a model's small config at the sweep's tuned lr, or at ``lr``."""
+
+    model: str
+    lr: float | None = None
+
+    @property
+    def config(self) -> str:
+        return f"{self.model}-small"
+
+    @property
+    def name(self) -> str:
+        return self.config if self.lr is None else f"{self.config}-lr{self.lr:g}"
+
+    @property
+    def learning_rate(self) -> float:
+        return tuned_lr(self.config) if self.lr is None else self.lr
+
+
+def parse_arms(text: str) -> list[Arm]:
+    """``"pt,bert,pt@0.01"`` -> arms; a clear error naming the bad part and the allowed forms."""
+    arms = []
+    for part in text.split(","):
+        model, at, lr = part.strip().partition("@")
+        try:
+            rate = float(lr) if at else None
+        except ValueError:
+            rate = math.nan
+        if model not in MODELS or (rate is not None and not (math.isfinite(rate) and rate > 0)):
+            raise SystemExit(f"--models: {part!r} is not MODEL or MODEL@LR with MODEL one of {list(MODELS)} "
+                             "and LR a positive number (e.g. pt,bert,ut,pt@0.01)")  # fmt: skip
+        arms.append(Arm(model, rate))
+    if len(set(arms)) != len(arms):
+        raise SystemExit(f"--models names an arm twice: {text!r}")
+    return arms
+
+
 def steps_per_epoch(config: str) -> int:
     from probformer.training import run_config
     from probformer.training.corpus import prepare_corpus
@@ -59,9 +104,9 @@ def steps_per_epoch(config: str) -> int:
     return math.ceil(len(prepare_corpus(loaded.data).train) / loaded.train.batch_size)
 
 
-def overrides(config: str, seed: int, per_epoch: int) -> list[str]:
+def overrides(config: str, seed: int, per_epoch: int, lr: float | None = None) -> list[str]:
     return [
-        f"train.lr={tuned_lr(config)}",
+        f"train.lr={tuned_lr(config) if lr is None else lr}",
         f"train.seed={seed}",
         f"train.epochs={MAX_EPOCHS}",
         f"train.eval_every={per_epoch}",
@@ -73,8 +118,8 @@ def overrides(config: str, seed: int, per_epoch: int) -> list[str]:
     ]
 
 
-def command(config: str, seed: int, per_epoch: int, run: Path) -> list[str]:
-    sets = [part for assignment in overrides(config, seed, per_epoch) for part in ("--set", assignment)]
+def command(config: str, seed: int, per_epoch: int, run: Path, lr: float | None = None) -> list[str]:
+    sets = [part for assignment in overrides(config, seed, per_epoch, lr) for part in ("--set", assignment)]
     resume = ["--resume"] if (run / "checkpoints" / "latest").is_file() else []
     train = [sys.executable, "-m", "probformer", "train", "--config", f"configs/{config}.toml"]
     return [*train, *sets, "--out", str(run), *resume]
@@ -106,15 +151,18 @@ def add_cpu_seconds(run: Path, seconds: float) -> None:
 class Turn:
     """One worker process training one run until its next epoch checkpoint (or the end)."""
 
-    def __init__(self, config: str, seed: int, per_epoch: int, slice_epochs: int):
-        self.run = ROOT / f"{config}-s{seed}"
+    def __init__(self, arm: Arm, seed: int, per_epoch: int, slice_epochs: int):
+        self.run = ROOT / f"{arm.name}-s{seed}"
         self.run.parent.mkdir(parents=True, exist_ok=True)
         self.until = epochs_done(self.run) + slice_epochs
         self.per_epoch = per_epoch
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         self.log = open(self.run.parent / f"{self.run.name}.log", "a")  # noqa: SIM115 (closed in wait)
         self.process = subprocess.Popen(
-            command(config, seed, per_epoch, self.run), env=environment, stdout=self.log, stderr=subprocess.STDOUT
+            command(arm.config, seed, per_epoch, self.run, arm.lr),
+            env=environment,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         print(f"{self.run.name}: epochs {epochs_done(self.run)} -> {self.until} (pid {self.process.pid})", flush=True)
 
@@ -141,21 +189,21 @@ class Turn:
         return True
 
 
-def study(seeds: int, workers: int, slice_epochs: int, models: list[str]) -> None:
-    configs = [f"{model}-small" for model in models]
-    per_epoch = steps_per_epoch(configs[0])  # the same data and batch size for all three
-    queue = [(config, seed) for seed in range(seeds) for config in configs]
+def study(seeds: int, workers: int, slice_epochs: int, arms: list[Arm]) -> None:
+    per_epoch = steps_per_epoch(arms[0].config)  # the same data and batch size for every model
+    queue = [(arm, seed) for seed in range(seeds) for arm in arms]
+    folder = lambda arm, seed: ROOT / f"{arm.name}-s{seed}"  # noqa: E731
     ROOT.mkdir(parents=True, exist_ok=True)
     (ROOT / "worker.pid").write_text(f"-{os.getpgrp()}\n")
     running: list[Turn] = []
     try:
         while True:
             busy = {turn.run for turn in running}
-            waiting = [(c, s) for c, s in queue if not finished(ROOT / f"{c}-s{s}") and ROOT / f"{c}-s{s}" not in busy]
+            waiting = [(a, s) for a, s in queue if not finished(folder(a, s)) and folder(a, s) not in busy]
             while waiting and len(running) < workers:
-                config, seed = min(waiting, key=lambda cs: (epochs_done(ROOT / f"{cs[0]}-s{cs[1]}"), queue.index(cs)))
-                running.append(Turn(config, seed, per_epoch, slice_epochs))
-                waiting.remove((config, seed))
+                arm, seed = min(waiting, key=lambda arm_seed: (epochs_done(folder(*arm_seed)), queue.index(arm_seed)))
+                running.append(Turn(arm, seed, per_epoch, slice_epochs))
+                waiting.remove((arm, seed))
             if not running:
                 break
             time.sleep(5)
@@ -172,17 +220,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2, help="seeds per model (0, 1, ...)")
     parser.add_argument("--workers", type=int, default=1, help="runs trained side by side (one thread each)")
     parser.add_argument("--slice", type=int, default=1, help="epochs a run trains before yielding its worker")
-    parser.add_argument("--models", default=",".join(MODELS), help="subset of pt,bert,ut")
+    parser.add_argument("--models", default=ARMS, help="arms, MODEL or MODEL@LR, MODEL one of pt,bert,ut")
     args = parser.parse_args()
-    models = args.models.split(",")
-    if not models or any(m not in MODELS for m in models):
-        raise SystemExit(f"--models must be a comma-separated subset of {list(MODELS)}, got {args.models!r}")
+    arms = parse_arms(args.models)
     for name in ("seeds", "workers", "slice"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
     if os.getpgrp() != os.getpid():
         os.setpgrp()  # one group: kill -STOP -<group> pauses the workers too
-    study(args.seeds, args.workers, args.slice, models)
+    study(args.seeds, args.workers, args.slice, arms)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ perplexity curves (a plot), per run the best perplexity and its epoch, tokens/s 
 hours, the crossing point of PT's curve with each baseline's, and the claim the curves
 support so far, written to docs/benchmarks.md between its markers:
 
-    .venv/bin/python -m benchmarks.convergence_report [--seeds 2] [--models pt,bert,ut]
+    .venv/bin/python -m benchmarks.convergence_report [--seeds 2] [--models pt,bert,ut,pt@0.01]
 """
 
 from __future__ import annotations
@@ -14,15 +14,24 @@ import math
 import statistics
 from pathlib import Path
 
-from benchmarks.convergence import MAX_EPOCHS, MODELS, PATIENCE, PLOT, RESULTS, ROOT, finished, tuned_lr, validations
+from benchmarks.convergence import (
+    ARMS,
+    MAX_EPOCHS,
+    PATIENCE,
+    PLOT,
+    RESULTS,
+    ROOT,
+    Arm,
+    finished,
+    parse_arms,
+    validations,
+)
 
 DOC = Path("docs/benchmarks.md")
 START, END = "<!-- convergence:start -->", "<!-- convergence:end -->"
 HEADING = "## Does PT's one-epoch lead survive to convergence? PT vs BERT vs UT trained until validation stops"
 
-COMMAND = (
-    ".venv/bin/python -m benchmarks.convergence --workers 2 && .venv/bin/python -m benchmarks.convergence_report"
-)
+COMMAND = ".venv/bin/python -m benchmarks.convergence --workers 2 && .venv/bin/python -m benchmarks.convergence_report"
 
 
 def curve(run: Path) -> list[float]:
@@ -51,15 +60,17 @@ def status(run: Path, summary: dict | None) -> str:
     return "in progress" if run.is_dir() else "not started"
 
 
-def summarise(config: str, seed: int) -> dict:
-    run = ROOT / f"{config}-s{seed}"
+def summarise(arm: Arm, seed: int) -> dict:
+    run = ROOT / f"{arm.name}-s{seed}"
     points = curve(run)
     best = min(range(len(points)), key=points.__getitem__) if points else None
     summary = json.loads((run / "summary.json").read_text()) if finished(run) else None
     return {
-        "config": config,
+        "config": arm.name,
+        "model": arm.model,
         "seed": seed,
-        "lr": tuned_lr(config),
+        "lr": arm.learning_rate,
+        "lr_from": "the one-epoch sweep" if arm.lr is None else "fixed",
         "curve": points,
         "epochs": len(points),
         "best_perplexity": points[best] if points else None,
@@ -122,6 +133,9 @@ def plot(rows: list[dict]) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     colours = {"pt-small": "tab:blue", "bert-small": "tab:orange", "ut-small": "tab:green"}
+    spare = iter(["tab:purple", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
+    for name in dict.fromkeys(row["config"] for row in rows):
+        colours.setdefault(name, next(spare, "tab:gray"))
     for row in rows:
         if row["curve"]:
             epochs = range(1, len(row["curve"]) + 1)
@@ -132,7 +146,7 @@ def plot(rows: list[dict]) -> None:
     axes.xaxis.get_major_locator().set_params(integer=True)  # epochs are whole numbers
     axes.set_xlabel("epoch")
     axes.set_ylabel("validation masked-token perplexity")
-    axes.set_title("PTB MLM, small size, tuned learning rates")
+    axes.set_title("PTB MLM, small size")
     axes.legend(fontsize=8)
     figure.tight_layout()
     PLOT.parent.mkdir(parents=True, exist_ok=True)
@@ -140,8 +154,8 @@ def plot(rows: list[dict]) -> None:
     plt.close(figure)
 
 
-def report(configs: list[str], seeds: int) -> str:
-    rows = [summarise(config, seed) for config in configs for seed in range(seeds)]
+def report(arms: list[Arm], seeds: int) -> str:
+    rows = [summarise(arm, seed) for arm in arms for seed in range(seeds)]
     plot(rows)
     RESULTS.write_text(json.dumps({"command": COMMAND, "runs": rows}, indent=1))
     lines = [
@@ -150,6 +164,7 @@ def report(configs: list[str], seeds: int) -> str:
         f"{PATIENCE} epochs without a new best validation loss, batch 32, one thread per run. The "
         "learning rates are the one-epoch sweep's best (linear decay over one epoch there); over a "
         f"{MAX_EPOCHS}-epoch decay the best rate may differ, PT's (10x the baselines') most of all. "
+        "An arm named `-lr<rate>` trains at that fixed rate instead (a sensitivity check of that choice). "
         "tokens/s are medians over logging windows on a shared 2-core machine: compare them only roughly.",
         "",
         "| run | lr | epochs | status | best ppl (epoch) | last ppl | tokens/s (median) | CPU hours |",
@@ -164,10 +179,13 @@ def report(configs: list[str], seeds: int) -> str:
             f"{speed} | {r['cpu_hours']:.2f} |"
         )
     lines += ["", f"Total CPU hours so far: {sum(r['cpu_hours'] for r in rows):.2f}.", ""]
-    pt = mean_curve(rows, "pt-small")
-    for baseline in [c for c in configs if c != "pt-small"]:
-        lines.append(f"- PT vs {baseline} (mean over seeds): {crossing(pt, mean_curve(rows, baseline))}.")
-    lines.append(f"- {against_the_paper(pt, mean_curve(rows, 'bert-small'))}")
+    pts = [arm.name for arm in arms if arm.model == "pt"]
+    for pt in pts:
+        for baseline in [arm.name for arm in arms if arm.model != "pt"]:
+            gap = crossing(mean_curve(rows, pt), mean_curve(rows, baseline))
+            lines.append(f"- {pt} vs {baseline} (mean over seeds): {gap}.")
+    if pts:
+        lines.append(f"- {against_the_paper(mean_curve(rows, pts[0]), mean_curve(rows, 'bert-small'))}")
     done = all(r["status"] not in ("in progress", "not started") for r in rows)
     lines.append(
         ""
@@ -195,12 +213,11 @@ def write_section(text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2, help="seeds per model (0, 1, ...)")
-    parser.add_argument("--models", default=",".join(MODELS), help="subset of pt,bert,ut")
+    parser.add_argument("--models", default=ARMS, help="arms, MODEL or MODEL@LR, MODEL one of pt,bert,ut")
     args = parser.parse_args()
-    models = args.models.split(",")
-    if not models or any(m not in MODELS for m in models) or args.seeds < 1:
-        raise SystemExit(f"--models must be a subset of {list(MODELS)} and --seeds at least 1")
-    text = report([f"{m}-small" for m in models], args.seeds)
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be at least 1, got {args.seeds}")
+    text = report(parse_arms(args.models), args.seeds)
     write_section(text)
     print(text)
 

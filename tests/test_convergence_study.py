@@ -18,6 +18,28 @@ def test_each_run_is_a_valid_config_with_early_stopping_every_epoch(config):
     assert train.lr == convergence.tuned_lr(config) and train.seed == 1
 
 
+def test_an_arm_with_a_rate_trains_at_that_rate_in_a_folder_of_its_own():
+    arms = convergence.parse_arms("pt,bert,pt@0.01")
+    assert [arm.name for arm in arms] == ["pt-small", "bert-small", "pt-small-lr0.01"]
+    assert [arm.learning_rate for arm in arms] == [
+        convergence.tuned_lr("pt-small"),
+        convergence.tuned_lr("bert-small"),
+        0.01,
+    ]
+    fixed = arms[2]
+    loaded = run_config.load("configs/pt-small.toml", convergence.overrides(fixed.config, 0, 1315, fixed.lr))
+    assert loaded.train.lr == 0.01 and loaded.train.patience == convergence.PATIENCE
+    argv = convergence.command(fixed.config, 0, 1315, convergence.ROOT / "pt-small-lr0.01-s0", fixed.lr)
+    assert "train.lr=0.01" in argv and argv[argv.index("--config") + 1] == "configs/pt-small.toml"
+    assert [arm.name for arm in convergence.parse_arms(convergence.ARMS)][-1] == "pt-small-lr0.01"
+
+
+@pytest.mark.parametrize("bad", ["gpt", "pt@", "pt@fast", "pt@0", "pt@-0.1", "pt@inf", "pt@nan", "pt,,bert", "pt,pt"])
+def test_a_bad_arm_is_refused_naming_the_allowed_forms(bad):
+    with pytest.raises(SystemExit, match="--models"):
+        convergence.parse_arms(bad)
+
+
 def test_the_crossing_is_where_the_gap_changes_sign():
     assert crossing([100.0, 90.0, 80.0], [200.0, 95.0, 70.0]) == "the curves cross between epochs 2 and 3"
     text = crossing([100.0, 90.0, 80.0, 75.0], [200.0, 150.0, 110.0, 90.0])
