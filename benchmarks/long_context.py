@@ -32,6 +32,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
+from probformer.training.placement import hold_freed_memory  # noqa: E402
+
 PT_TOPOLOGIES = ("full", "causal", "window(64)", "segments(128)")
 MODELS = tuple(f"pt:{t}" for t in PT_TOPOLOGIES) + ("swarmformer", "folded")
 
@@ -177,8 +179,10 @@ def main():
     parser.add_argument("--memory-only", action="store_true", help="--table: peak memory only")
     parser.add_argument("--quadratic-up-to", type=int, default=8192, help="--table: PT full and causal up to this n")
     parser.add_argument("--out", help="write the results as JSON")
+    parser.add_argument("--default-malloc", action="store_true", help="time without hold_freed_memory (the trainer's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    held = not args.default_malloc and hold_freed_memory()  # in this process; memory peaks run in fresh ones
     if args.topologies:
         result = topologies(args.n, args.rounds)
     elif args.table:
@@ -189,7 +193,7 @@ def main():
         parser.error("give --topologies or --table")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**result, "malloc": "held" if held else "default"}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch  # noqa: E402
 
+from probformer.training.placement import hold_freed_memory  # noqa: E402
+
 THREADS = 2
 
 
@@ -329,6 +331,7 @@ def main():
     parser.add_argument("--floor", action="store_true", help="only: fused vs standard layer and %% of peak, n = 512")
     parser.add_argument("--threads", type=int, default=THREADS, help="threads of every timing (default 2)")
     parser.add_argument("--tree", metavar="DIR", help="--floor, --causal: the engine's code from DIR (a git archive)")
+    parser.add_argument("--default-malloc", action="store_true", help="--floor: without hold_freed_memory")
     args = parser.parse_args()
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
@@ -340,7 +343,8 @@ def main():
         if not inference.__file__.startswith(os.path.abspath(args.tree)):
             raise SystemExit(f"--tree {args.tree}: inference was imported from {inference.__file__}")
     if args.floor:
-        results = {"tree": args.tree or "this checkout", **floor(args.rounds)}
+        held = not args.default_malloc and hold_freed_memory()  # as the trainer does on the CPU
+        results = {"tree": args.tree or "this checkout", "malloc": "held" if held else "default", **floor(args.rounds)}
         out = "docs/benchmarks/mean_field_floor.json" if args.out == parser.get_default("out") else args.out
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

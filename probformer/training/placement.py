@@ -1,13 +1,19 @@
-"""Where a run computes: its device, its thread count and, under ``torchrun``, the
-processes of a data-parallel run (gloo on CPU, nccl on CUDA)."""
+"""Where a run computes: its device, its thread count, how its CPU memory is reused and,
+under ``torchrun``, the processes of a data-parallel run (gloo on CPU, nccl on CUDA)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import torch
 
-__all__ = ["resolve_device", "default_threads", "init_distributed", "all_sum", "barrier"]
+__all__ = ["resolve_device", "default_threads", "hold_freed_memory", "init_distributed", "all_sum", "barrier"]
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_NEVER_TRIM = 2**31 - 1  # the largest value mallopt takes (an int): the heap is never trimmed
 
 
 def resolve_device(name: str) -> torch.device:
@@ -30,6 +36,26 @@ def default_threads(world: int) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, min(2, os.cpu_count() or 1) // world)
+
+
+def hold_freed_memory() -> bool:
+    """Keep the memory this process frees for its next allocations instead of handing it back
+    to the operating system (glibc's malloc: no block served by its own mmap, the heap never
+    trimmed). True where applied (Linux with glibc), False elsewhere, where nothing changes.
+
+    Why: glibc serves each large block (the threshold adapts up to 32 MiB) with a fresh mmap
+    and unmaps it when freed, so every CPU training step faults its large tensors' pages in
+    again and the kernel zeroes each one; on the fused kernel that is a large share of a step
+    (docs/benchmarks.md, "Long inputs"). The price: the resident memory stays at the process's
+    peak until it exits. A process-wide setting, so the trainer applies it on the CPU only
+    when ``train.hold_freed_memory`` is true; a script calls this once, at its start."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM))
 
 
 def init_distributed(device: str) -> tuple[int, int]:

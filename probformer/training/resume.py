@@ -20,6 +20,7 @@ __all__ = ["RESUMABLE_CHANGES", "resume_source", "check_same_encoding", "text_fi
 # train.* keys a resume may change
 RESUMABLE_CHANGES = {"steps", "epochs", "threads", "log_every", "eval_every", "checkpoint_every", "diagnostics_every"}
 RESUMABLE_CHANGES |= {"device"}  # checkpoints are device-independent
+RESUMABLE_CHANGES |= {"hold_freed_memory"}  # where freed memory goes changes no number
 
 
 def resume_source(out: Path, config: RunConfig) -> Path | None:

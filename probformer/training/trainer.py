@@ -89,6 +89,8 @@ class Trainer:
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
         _, model_cls = registry.classes(config.kind)
         self.device = placement.resolve_device(config.train.device)
+        if self.device.type == "cpu" and config.train.hold_freed_memory:
+            placement.hold_freed_memory()
         self.model = model_cls(model_config).to(self.device)  # before the optimiser: its state follows
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.groups = param_groups(self.model, config.train.lr, config.train.weight_decay)
