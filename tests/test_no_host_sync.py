@@ -7,6 +7,9 @@ CPU inside the forward (a mask built on the host, then moved) is caught by the m
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,6 +22,7 @@ from probformer.models.probabilistic_transformer import ProbabilisticTransformer
 from probformer.models.swarmformer import SwarmConfig, SwarmFormer
 
 VOCAB = 20
+REPOSITORY = str(Path(__file__).resolve().parents[1])
 
 
 VALUE_READS = {
@@ -194,3 +198,46 @@ def test_bad_ids_are_refused_without_a_value_read(no_value_reads):
         # a padded slot may hold anything: only real ids are checked, and padding reads as 0
         checked, _ = check_token_inputs(tokens.masked_fill(~mask, VOCAB + 7), mask, VOCAB)
     assert torch.equal(checked[1], torch.tensor([3, 5, 8, 9, 7, 0, 0, 0, 0]))
+
+
+@pytest.fixture
+def no_host_data_copied_to_a_device(monkeypatch):
+    """``torch.tensor``/``torch.as_tensor`` with a ``device`` build the tensor on the host and
+    copy it over: a synchronising copy on CUDA (the sync debug mode warns), which the dispatch
+    mode above cannot see. A forward must fill device tensors on the device instead."""
+    calls = []
+    for name in ("tensor", "as_tensor"):
+        original = getattr(torch, name)
+
+        def watched(*args, _original=original, _name=name, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename  # ours, not torch's own (its CPU flex reference)
+            if kwargs.get("device") is not None and caller.startswith(REPOSITORY) and "site-packages" not in caller:
+                calls.append(f"torch.{_name}(..., device={kwargs['device']}) in {caller}")
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, watched)
+    return calls
+
+
+@pytest.mark.parametrize("kernel", ["naive", "fused", "flex"])
+@pytest.mark.parametrize("topology", ["full", "window(2) | root()"])
+def test_probabilistic_transformer_copies_no_host_data_to_its_device(kernel, topology, no_host_data_copied_to_a_device):
+    model = ProbabilisticTransformer(
+        PTConfig(vocab_size=VOCAB, labels=16, channels=2, rank=4, iterations=2, kernel=kernel, dropout=0.0,
+                 topology=topology)
+    )  # fmt: skip
+    tokens, mask = _padded_batch()
+    no_host_data_copied_to_a_device.clear()  # what the forward does, not the set-up
+    with torch.no_grad():  # flex on the CPU runs without gradients
+        model(tokens, mask)
+    assert no_host_data_copied_to_a_device == []
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_no_model_copies_host_data_to_its_device(name, no_host_data_copied_to_a_device):
+    torch.manual_seed(0)
+    model = MODELS[name]().train(True)
+    tokens, mask = _padded_batch()
+    no_host_data_copied_to_a_device.clear()  # what the forward and backward do, not the set-up
+    model(tokens, mask)[0].float().sum().backward()
+    assert no_host_data_copied_to_a_device == []

@@ -52,7 +52,9 @@ def _offset_group(offset, cuts: tuple[int, ...], gamma: int):
 def _arc_rule(structure: HeadStructure):
     """``arc(b, q, kv)``: is q -> kv an arc of sentence b (bool tensors, index arithmetic only)."""
     nodes, table, band, m = structure.nodes, structure.token_arcs, structure.band, structure.virtual
-    n = torch.tensor(structure.n, device=nodes.device)  # a tensor: no recompile per length
+    # a tensor, so no recompile per length; filled on the device (torch.tensor would copy a
+    # host scalar over, a host synchronisation on CUDA, once per batch)
+    n = torch.full((), structure.n, dtype=torch.int64, device=nodes.device)
     to_virtual, virtual_rows = structure.border
 
     def arc(b, q, kv):
