@@ -91,7 +91,7 @@ def parse_arms(text: str) -> list[Arm]:
             raise SystemExit(f"--models: {part!r} is not MODEL or MODEL@LR with MODEL one of {list(MODELS)} "
                              "and LR a positive number (e.g. pt,bert,ut,pt@0.01)")  # fmt: skip
         arms.append(Arm(model, rate))
-    if len(set(arms)) != len(arms):
+    if len({arm.name for arm in arms}) != len(arms):  # one run folder per arm
         raise SystemExit(f"--models names an arm twice: {text!r}")
     return arms
 
@@ -115,6 +115,7 @@ def overrides(config: str, seed: int, per_epoch: int, lr: float | None = None) -
         f"train.checkpoint_every={per_epoch}",
         "train.diagnostics_every=0",
         "train.threads=1",
+        "train.hold_freed_memory=true",  # a process of its own: freed memory is reused, not re-faulted
     ]
 
 

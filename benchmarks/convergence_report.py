@@ -184,8 +184,9 @@ def report(arms: list[Arm], seeds: int) -> str:
         for baseline in [arm.name for arm in arms if arm.model != "pt"]:
             gap = crossing(mean_curve(rows, pt), mean_curve(rows, baseline))
             lines.append(f"- {pt} vs {baseline} (mean over seeds): {gap}.")
-    if pts:
-        lines.append(f"- {against_the_paper(mean_curve(rows, pts[0]), mean_curve(rows, 'bert-small'))}")
+    tuned = [arm.name for arm in arms if arm.model == "pt" and arm.lr is None] or pts  # the sweep's PT first
+    if tuned:
+        lines.append(f"- {against_the_paper(mean_curve(rows, tuned[0]), mean_curve(rows, 'bert-small'))}")
     done = all(r["status"] not in ("in progress", "not started") for r in rows)
     lines.append(
         ""

@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the CPU dry run's sizes (checks the script only)")
     parser.add_argument("--threads", type=int, default=8, help="CPU threads (the GPU machine has 16 cores)")
     args = parser.parse_args()
+    if args.threads < 1 or min(args.lengths) < 1:
+        parser.error(f"--threads and --lengths must be at least 1, got {args.threads} and {args.lengths}")
     torch.set_num_threads(args.threads)
     flex_module._CUDA_FLOAT32_PRECISION = f"'{args.precision}'"
     device = torch.device(args.device)

@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--threads", type=int, default=8, help="CPU threads (the GPU machine has 16 cores)")
     args = parser.parse_args()
+    for name in ("n", "rounds", "rows", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sizes = replace(TINY if args.tiny else Sizes(), lengths=(args.n,))
@@ -51,7 +54,8 @@ def main() -> None:
         synchronise(device)
     averages = prof.key_averages()
     device_key = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"
-    launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    launch_calls = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+    launches = sum(e.count for e in averages if e.key in launch_calls)
     lines = [f"n={args.n} form={args.form} topology={args.topology} device={device} sizes={sizes}",
              f"seconds per step without profiler: {plain_s:.4f}",
              f"kernel launches per step: {launches / args.rounds:.0f}",

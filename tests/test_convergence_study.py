@@ -15,7 +15,7 @@ def test_each_run_is_a_valid_config_with_early_stopping_every_epoch(config):
     train = loaded.train
     assert (train.eval_every, train.checkpoint_every, train.patience) == (1315, 1315, convergence.PATIENCE)
     assert train.epochs == convergence.MAX_EPOCHS and train.eval_sentences == 0 and train.threads == 1
-    assert train.lr == convergence.tuned_lr(config) and train.seed == 1
+    assert train.lr == convergence.tuned_lr(config) and train.seed == 1 and train.hold_freed_memory
 
 
 def test_an_arm_with_a_rate_trains_at_that_rate_in_a_folder_of_its_own():
@@ -34,7 +34,10 @@ def test_an_arm_with_a_rate_trains_at_that_rate_in_a_folder_of_its_own():
     assert [arm.name for arm in convergence.parse_arms(convergence.ARMS)][-1] == "pt-small-lr0.01"
 
 
-@pytest.mark.parametrize("bad", ["gpt", "pt@", "pt@fast", "pt@0", "pt@-0.1", "pt@inf", "pt@nan", "pt,,bert", "pt,pt"])
+@pytest.mark.parametrize(
+    "bad",
+    ["gpt", "pt@", "pt@fast", "pt@0", "pt@-0.1", "pt@inf", "pt@nan", "pt,,bert", "pt,pt", "pt@0.01,pt@0.010000001"],
+)
 def test_a_bad_arm_is_refused_naming_the_allowed_forms(bad):
     with pytest.raises(SystemExit, match="--models"):
         convergence.parse_arms(bad)

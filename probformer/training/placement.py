@@ -41,14 +41,17 @@ def default_threads(world: int) -> int:
 def hold_freed_memory() -> bool:
     """Keep the memory this process frees for its next allocations instead of handing it back
     to the operating system (glibc's malloc: no block served by its own mmap, the heap never
-    trimmed). True where applied (Linux with glibc), False elsewhere, where nothing changes.
+    trimmed). True where glibc took both settings (Linux), False elsewhere; a malloc loaded
+    in glibc's place (tcmalloc, jemalloc) may accept the call and ignore it.
 
     Why: glibc serves each large block (the threshold adapts up to 32 MiB) with a fresh mmap
     and unmaps it when freed, so every CPU training step faults its large tensors' pages in
-    again and the kernel zeroes each one; on the fused kernel that is a large share of a step
-    (docs/benchmarks.md, "Long inputs"). The price: the resident memory stays at the process's
-    peak until it exits. A process-wide setting, so the trainer applies it on the CPU only
-    when ``train.hold_freed_memory`` is true; a script calls this once, at its start."""
+    again and the kernel zeroes each one (docs/benchmarks.md, "Long inputs"). The price:
+    freed memory is never returned while the process lives, and blocks of many sizes freed
+    around survivors fragment the heap, so the resident memory can grow past the peak of
+    live tensors. There is no undo: it is for a process of its own (a training run), so the
+    trainer applies it on the CPU only when ``train.hold_freed_memory`` is true, and a
+    script calls this once, at its start, before starting threads."""
     if not sys.platform.startswith("linux"):
         return False
     try:

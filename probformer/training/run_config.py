@@ -133,7 +133,7 @@ class TrainConfig(ConfigMixin):
     diagnostics_every: int = 100  # steps between per-layer ESS/diversity metrics (PT, Particle; 0: never)
     threads: int = 0  # torch threads (0: OMP_NUM_THREADS, else min(2, cores) / processes)
     device: str = "auto"  # "auto" (CUDA when present), "cpu" or "cuda"; bf16 autocast on CUDA
-    hold_freed_memory: bool = True  # CPU: reuse freed memory, not fresh pages (faster; RSS stays at its peak)
+    hold_freed_memory: bool = False  # CPU: the process reuses freed memory, not fresh pages (faster; more RSS)
 
     def __post_init__(self):
         _check_integer_ranges(self, "train", _TRAIN_RANGES)

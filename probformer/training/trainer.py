@@ -89,8 +89,9 @@ class Trainer:
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
         _, model_cls = registry.classes(config.kind)
         self.device = placement.resolve_device(config.train.device)
-        if self.device.type == "cpu" and config.train.hold_freed_memory:
-            placement.hold_freed_memory()
+        self.holds_freed_memory = (
+            self.device.type == "cpu" and config.train.hold_freed_memory and placement.hold_freed_memory()
+        )
         self.model = model_cls(model_config).to(self.device)  # before the optimiser: its state follows
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.groups = param_groups(self.model, config.train.lr, config.train.weight_decay)
@@ -278,7 +279,8 @@ class Trainer:
             print(
                 f"{self.config.kind}: {self.parameters / 1e6:.2f}M parameters; {len(self.corpus.train)} training / "
                 f"{len(self.corpus.valid)} validation sentences; vocabulary {len(self.corpus.vocabulary)}; "
-                f"{self.total_steps} steps; {self.world} process(es) -> {self.out}",
+                f"{self.total_steps} steps; {self.world} process(es)"
+                f"{'; freed memory held' if self.holds_freed_memory else ''} -> {self.out}",
                 flush=True,
             )
             if any(self.corpus.windowed.values()):

@@ -60,7 +60,7 @@ _CUDA_FLOAT32_PRECISION = "'tf32x3'"
 
 
 def _kernel_options(device: torch.device) -> dict:
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.version.hip is None:  # ROCm's Triton has no tf32x3
         return {**_KERNEL_OPTIONS, "FLOAT32_PRECISION": _CUDA_FLOAT32_PRECISION}
     return _KERNEL_OPTIONS
 

@@ -228,13 +228,15 @@ def test_flex_equals_naive_across_several_blocks():
     assert_all_close(outputs_and_gradients(flex, projections, 0.2, structure), naive, 1e-10, 1e-10)
 
 
-def test_float32_dot_products_on_cuda_are_three_tf32_products():
+def test_float32_dot_products_on_cuda_are_three_tf32_products(monkeypatch):
     """Triton's "ieee" float32 dot runs without tensor cores (docs/benchmarks.md, GPU check);
     "tf32x3" keeps float32's precision (the CUDA tests below hold it to the fused kernel's),
     where plain "tf32" rounds every input to 10 mantissa bits. The CPU path passes no such option."""
     cuda = flex_kernel._kernel_options(torch.device("cuda"))
     assert cuda["FLOAT32_PRECISION"] == "'tf32x3'" and cuda["BACKEND"] == "TRITON"
     assert "FLOAT32_PRECISION" not in flex_kernel._kernel_options(torch.device("cpu"))
+    monkeypatch.setattr(torch.version, "hip", "6.0")  # ROCm: torch's own choice stands
+    assert "FLOAT32_PRECISION" not in flex_kernel._kernel_options(torch.device("cuda"))
 
 
 # ---- CUDA: the compiled kernel ------------------------------------------------------
