@@ -212,26 +212,6 @@ def compile_comparison(d=256, C=8, r=64, n=512, B=8):
     return {"first_call_seconds": first, **best}
 
 
-_TIME_FUSED = """
-import sys, time, torch
-sys.path.insert(0, {root!r})
-torch.set_num_threads({threads})
-import graphs, inference
-assert inference.__file__.startswith({root!r}), inference.__file__
-torch.manual_seed(0)
-crf = graphs.CRF(vocab_size=1000, labels=256, channels=8, rank=64, topology="full", gamma=3)
-engine = inference.MeanField(crf, iterations=4, kernel="fused", weights="reference")
-tokens = torch.randint(0, 1000, ({B}, {n}))
-best = float("inf")
-for i in range({steps} + 1):
-    start = time.perf_counter()
-    engine(tokens).logits.square().mean().backward()
-    if i:  # the first step is a warm-up
-        best = min(best, time.perf_counter() - start)
-print(best)
-"""
-
-
 def floor(rounds: int, d: int = 256, C: int = 8, r: int = 64, n: int = 512, B: int = 8) -> dict:
     """The fused iteration against the standard layer at the reference size, with the matmul
     peak measured in this run (the best of a measurement before and one after the timings)."""
@@ -283,43 +263,6 @@ def causal_vs_full(rounds: int, n: int = 2048, B: int = 1, d: int = 256, C: int 
     return result
 
 
-def _extract(revision: str, here: str, into: str) -> str:
-    commit = subprocess.run(["git", "rev-parse", revision], cwd=here, capture_output=True, text=True, check=True)
-    archive = subprocess.run(["git", "archive", commit.stdout.strip()], cwd=here, capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
-    return commit.stdout.strip()
-
-
-def against(revision: str, rounds: int, shapes=((128, 8), (512, 8)), current: str | None = None) -> dict:
-    """The fused iteration of this checkout (or of git ``current``) vs git ``revision``'s,
-    in alternating processes."""
-    import tempfile
-
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with tempfile.TemporaryDirectory() as old, tempfile.TemporaryDirectory() as new:
-        commit = _extract(revision, here, old)
-        name = _extract(current, here, new)[:10] if current else "this checkout"
-        new = new if current else here
-        results = {"revision": commit, "current": name, "rounds": rounds, "rows": []}
-        print(f"fused forward+backward, T = 4, d = 256, C = 8, r = 64: {name} vs {commit[:10]}\n")
-        print(f"| n | B | {name} s | {commit[:10]} s | ratio |")
-        print("|---|---|---|---|---|")
-        for n, B in shapes:
-            best = {"new": math.inf, "old": math.inf}
-            steps = 3 if n <= 128 else 1
-            for _ in range(rounds):
-                for tree, root in (("new", new), ("old", old)):
-                    code = _TIME_FUSED.format(root=root, threads=THREADS, B=B, n=n, steps=steps)
-                    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
-                    if out.returncode:
-                        raise RuntimeError(f"{tree} tree failed:\n{out.stderr[-2000:]}")
-                    best[tree] = min(best[tree], float(out.stdout.split()[-1]))
-            row = {"n": n, "B": B, "new": best["new"], "old": best["old"], "ratio": best["new"] / best["old"]}
-            results["rows"].append(row)
-            print(f"| {n} | {B} | {row['new']:.3f} | {row['old']:.3f} | {row['ratio']:.3f} |")
-    return results
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
@@ -342,25 +285,30 @@ def main():
 
         if not inference.__file__.startswith(os.path.abspath(args.tree)):
             raise SystemExit(f"--tree {args.tree}: inference was imported from {inference.__file__}")
+    default_out = args.out == parser.get_default("out")
     if args.floor:
-        held = not args.default_malloc and hold_freed_memory()  # as the trainer does on the CPU
+        held = not args.default_malloc and hold_freed_memory()  # as docs/training.md tells a script to
         results = {"tree": args.tree or "this checkout", "malloc": "held" if held else "default", **floor(args.rounds)}
-        out = "docs/benchmarks/mean_field_floor.json" if args.out == parser.get_default("out") else args.out
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-        return
+        return _write(results, "docs/benchmarks/mean_field_floor.json" if default_out else args.out)
     if args.causal:
         results = {"tree": args.tree or "this checkout", **causal_vs_full(args.rounds)}
-        out = "docs/benchmarks/mean_field_causal.json" if args.out == parser.get_default("out") else args.out
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-        return
+        return _write(results, "docs/benchmarks/mean_field_causal.json" if default_out else args.out)
     if args.against:
-        results = against(args.against, args.rounds, current=args.current)
-        out = "docs/benchmarks/mean_field_against.json" if args.out == parser.get_default("out") else args.out
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-        return
+        from benchmarks.mean_field_against import against
+
+        results = against(args.against, args.rounds, THREADS, current=args.current)
+        return _write(results, "docs/benchmarks/mean_field_against.json" if default_out else args.out)
+    _write(full_run(args.quick), args.out)
+
+
+def _write(results: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def full_run(quick: bool) -> dict:
+    """Every table of the module docstring: kernels, memory, SVI, compile."""
     results = {"threads": THREADS, "torch": torch.__version__, "kernels": [], "memory": []}
 
     gemm = matmul_throughput()
@@ -368,7 +316,7 @@ def main():
     print(f"fp32 matmul (2048^3, {THREADS} threads): {gemm:.1f} GFLOP/s\n")
 
     configs = [("d256", 256, 8, 64), ("ptb", 384, 16, 64)]
-    shapes = [(128, 8), (512, 8)] if args.quick else [(128, 8), (512, 8), (2048, 1)]
+    shapes = [(128, 8), (512, 8)] if quick else [(128, 8), (512, 8), (2048, 1)]
     print(
         "| config | n | B | naive s | fused s | standard layer x4 s | naive/fused | fused/standard | "
         "fused % of matmul peak |"
@@ -389,8 +337,8 @@ def main():
 
     print("\n| config | n | B | naive GiB | fused GiB | standard layer x4 GiB | fused/naive |")
     print("|---|---|---|---|---|---|---|")
-    memory_shapes = [(128, 8), (512, 8)] if args.quick else [(512, 8), (512, 1), (2048, 1), (8192, 1)]
-    for name, d, C, r in configs[:1] if not args.quick else configs:
+    memory_shapes = [(128, 8), (512, 8)] if quick else [(512, 8), (512, 1), (2048, 1), (8192, 1)]
+    for name, d, C, r in configs[:1] if not quick else configs:
         for n, B in memory_shapes:
             kinds = ["naive", "fused", "reference"] if n <= 2048 else ["fused", "reference"]
             mem = {k: peak_memory(k, d, C, r, n, B) for k in kinds}
@@ -409,16 +357,13 @@ def main():
         f"{svi['svi_seconds'] / svi['mean_field_seconds']:.0f}x"
     )
 
-    comp = compile_comparison() if not args.quick else compile_comparison(n=128, B=2)
+    comp = compile_comparison() if not quick else compile_comparison(n=128, B=2)
     results["compile"] = comp
     print(
         f"\neager {comp['eager']:.3f} s vs torch.compile {comp['compiled']:.3f} s "
         f"({comp['eager'] / comp['compiled']:.2f}x); first compiled call {comp['first_call_seconds']:.1f} s"
     )
-
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":
