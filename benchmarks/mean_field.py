@@ -294,6 +294,7 @@ def main():
         results = {"tree": args.tree or "this checkout", **causal_vs_full(args.rounds)}
         return _write(results, "docs/benchmarks/mean_field_causal.json" if default_out else args.out)
     if args.against:
+        sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
         from benchmarks.mean_field_against import against
 
         results = against(args.against, args.rounds, THREADS, current=args.current)
