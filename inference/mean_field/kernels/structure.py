@@ -184,7 +184,9 @@ class HeadStructure:
 
     def _token_has_head(self) -> torch.Tensor:
         """``[B, n]``: token rows with a token head. A band: counted from prefix sums of the
-        nodes (O(B n)); any other table: one product with a float copy of it, kept per table."""
+        nodes (O(B n)); a rule: a block of rows at a time against the heads it can reach (its
+        own and the previous segment for ``segments(l)``: O(B n l); every token otherwise);
+        any other table: one product with a float copy of it, kept per table."""
         n, real = self.n, self.nodes[:, : self.n]
         if self.band is not None:
             left, right = band_limits(self.band, n)
@@ -193,11 +195,15 @@ class HeadStructure:
             count = prefix[:, (rows + right + 1).clamp(max=n)] - prefix[:, (rows - left).clamp(min=0)]
             return real & (count - real.to(torch.int32) > 0)  # the row's own token is no head
         if self.token_rule is not None:  # the rule, a block of rows at a time: O(block n) memory
-            heads, found = torch.arange(n, device=real.device), []
+            length, weights, found = getattr(self.topology, "segment_length", None), real.to(torch.float32), []
             for lo in range(0, n, _RULE_ROWS):
-                rows = torch.arange(lo, min(lo + _RULE_ROWS, n), device=real.device)
-                allowed = self.token_rule(rows[:, None], heads[None, :]).to(torch.float32)  # [rows, n]
-                found.append((real.to(torch.float32) @ allowed.T) > 0.5)  # [B, rows]
+                hi = min(lo + _RULE_ROWS, n)
+                start, stop = (0, n) if length is None else (max(0, (lo // length - 1) * length), hi)
+                if length is not None:  # arcs stay in a row's own segment and the one before it
+                    stop = min(n, ((hi - 1) // length + 1) * length)
+                rows, heads = (torch.arange(a, b, device=real.device) for a, b in ((lo, hi), (start, stop)))
+                allowed = self.token_rule(rows[:, None], heads[None, :]).to(torch.float32)  # [rows, heads]
+                found.append((weights[:, start:stop] @ allowed.T) > 0.5)  # [B, rows]
             return real & torch.cat(found, 1)
         table = _float_table(self.token_arcs)
         return real & ((real.to(table.dtype) @ table.T) > 0.5)

@@ -36,6 +36,27 @@ def test_a_structure_reading_the_rule_equals_one_given_the_table(case, n, seed):
     assert torch.equal(by_rule.token_arcs, table)  # built on first read
 
 
+SEGMENTED = [(topo, rule) for topo, rule in RULED if topo.segment_length is not None]
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=st.sampled_from(SEGMENTED), n=st.integers(1, 40), rows=st.integers(1, 7), seed=st.integers(0, 1000))
+def test_rows_with_a_head_read_block_by_block_equal_the_table(case, n, rows, seed):
+    """Blocks of a few rows (the kernel's are 128) on segments(l): each block reads only the
+    heads its rows can reach (their segment and the one before), and finds the same rows."""
+    from unittest import mock
+
+    from inference.mean_field.kernels import structure
+
+    topo, rule = case
+    crf = graphs.CRF(vocab_size=5, labels=2, topology=topo)
+    mask = torch.rand(2, n, generator=torch.Generator().manual_seed(seed)) < 0.6
+    common = dict(n=n, gamma=crf.gamma, nodes=crf.node_mask(mask), band=topo.band, border=topo.border(mask))
+    with mock.patch.object(structure, "_RULE_ROWS", rows):
+        by_rule = HeadStructure(**common, topology=topo).has_head
+    assert torch.equal(by_rule, HeadStructure(**common, token_arcs=predicate_table(rule, n), topology=topo).has_head)
+
+
 def test_a_structure_needs_its_table_or_a_topology():
     import pytest
 
