@@ -14,9 +14,10 @@ validation on the whole PTB validation set at the end of every epoch; early stop
 (``train.patience``) after PATIENCE epochs without a new best validation loss; one torch
 thread per run.
 
-An arm ``model@lr`` trains the model at a fixed learning rate instead of the sweep's (the
-default study adds ``pt@0.01``: PT's tuned rate, 0.03, is 10x the baselines' and was chosen
-for a one-epoch decay, so the study also shows PT at the sweep's second-best rate).
+An arm ``model@lr`` trains the model at a fixed learning rate instead of the sweep's. The
+default study gives every model a second arm at the sweep grid's next lower rate (``pt@0.01``,
+``bert@0.001``, ``ut@0.001``): the tuned rates were chosen for a one-epoch decay, and a
+40-epoch decay may favour a lower one, for each model alike.
 
 Resumable across sessions: each run lives in runs/convergence/<arm>-s<seed>/ and
 continues from its last checkpoint through the trainer's exact resume (a kill changes no
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODELS = ("pt", "bert", "ut")
-ARMS = "pt,bert,ut,pt@0.01"
+ARMS = "pt,bert,ut,pt@0.01,bert@0.001,ut@0.001"
 MAX_EPOCHS = 40
 PATIENCE = 3
 ROOT = Path("runs/convergence")

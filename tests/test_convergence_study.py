@@ -31,7 +31,8 @@ def test_an_arm_with_a_rate_trains_at_that_rate_in_a_folder_of_its_own():
     assert loaded.train.lr == 0.01 and loaded.train.patience == convergence.PATIENCE
     argv = convergence.command(fixed.config, 0, 1315, convergence.ROOT / "pt-small-lr0.01-s0", fixed.lr)
     assert "train.lr=0.01" in argv and argv[argv.index("--config") + 1] == "configs/pt-small.toml"
-    assert [arm.name for arm in convergence.parse_arms(convergence.ARMS)][-1] == "pt-small-lr0.01"
+    second = [arm.name for arm in convergence.parse_arms(convergence.ARMS)][3:]
+    assert second == ["pt-small-lr0.01", "bert-small-lr0.001", "ut-small-lr0.001"]  # each model at a lower rate
 
 
 @pytest.mark.parametrize(
