@@ -22,12 +22,21 @@ import torch.nn.functional as F
 
 from graphs.distances import distance_groups
 
-__all__ = ["HeadStructure", "HeadMessages"]
+__all__ = ["HeadStructure", "HeadMessages", "segment_span"]
 
 # float copies of non-band token tables (has_head's counts), newest last: key -> (table, copy)
 _FLOAT_TABLES: dict = {}
 _FLOAT_TABLES_KEPT = 8
 _RULE_ROWS = 128  # rows of a token rule evaluated at once (has_head off a band): O(128 n) memory
+
+
+def segment_span(lo: int, hi: int, n: int, length: int, before: int = 0, after: int = 0) -> tuple[int, int]:
+    """``[start, stop)``: the tokens of the segments (of ``length`` tokens) from ``before``
+    segments ahead of row ``lo``'s to ``after`` past row ``hi - 1``'s, within ``[0, n)``:
+    where ``segments(l)``'s heads of rows ``lo <= i < hi`` lie (``before=1``: its arcs reach
+    the previous segment; ``after=1`` for their transposes)."""
+    start = max(0, (lo // length - before) * length)
+    return start, min(n, ((hi - 1) // length + 1 + after) * length)
 
 
 class HeadStructure:
@@ -198,9 +207,7 @@ class HeadStructure:
             length, weights, found = getattr(self.topology, "segment_length", None), real.to(torch.float32), []
             for lo in range(0, n, _RULE_ROWS):
                 hi = min(lo + _RULE_ROWS, n)
-                start, stop = (0, n) if length is None else (max(0, (lo // length - 1) * length), hi)
-                if length is not None:  # arcs stay in a row's own segment and the one before it
-                    stop = min(n, ((hi - 1) // length + 1) * length)
+                start, stop = (0, n) if length is None else segment_span(lo, hi, n, length, before=1)
                 rows, heads = (torch.arange(a, b, device=real.device) for a, b in ((lo, hi), (start, stop)))
                 allowed = self.token_rule(rows[:, None], heads[None, :]).to(torch.float32)  # [rows, heads]
                 found.append((weights[:, start:stop] @ allowed.T) > 0.5)  # [B, rows]

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.mean_field.kernels.fused.message_assembly import write_product
+from inference.mean_field.kernels.structure import segment_span
 
 __all__ = ["far_attention", "flash_available", "KeySpan", "UNBOUNDED", "MASKED", "SINK", "ABSENT"]
 
@@ -146,9 +147,8 @@ class KeySpan:
         if self.width != math.inf:
             start, stop = max(start, lo - int(self.width)), min(stop, hi + int(self.width))
         if self.segment is not None:
-            length = self.segment
-            start = max(start, (lo // length - self.before) * length)
-            stop = min(stop, ((hi - 1) // length + 1 + self.after) * length)
+            first, last = segment_span(lo, hi, n, self.segment, self.before, self.after)
+            start, stop = max(start, first), min(stop, last)
         return start, stop
 
 
