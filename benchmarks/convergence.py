@@ -78,6 +78,10 @@ class Arm:
     def learning_rate(self) -> float:
         return tuned_lr(self.config) if self.lr is None else self.lr
 
+    def folder(self, seed: int) -> Path:
+        """Where the run of this arm and ``seed`` lives."""
+        return ROOT / f"{self.name}-s{seed}"
+
 
 def parse_arms(text: str) -> list[Arm]:
     """``"pt,bert,pt@0.01"`` -> arms; a clear error naming the bad part and the allowed forms."""
@@ -154,7 +158,7 @@ class Turn:
     """One worker process training one run until its next epoch checkpoint (or the end)."""
 
     def __init__(self, arm: Arm, seed: int, per_epoch: int, slice_epochs: int):
-        self.run = ROOT / f"{arm.name}-s{seed}"
+        self.run = arm.folder(seed)
         self.run.parent.mkdir(parents=True, exist_ok=True)
         self.until = epochs_done(self.run) + slice_epochs
         self.per_epoch = per_epoch
@@ -194,16 +198,15 @@ class Turn:
 def study(seeds: int, workers: int, slice_epochs: int, arms: list[Arm]) -> None:
     per_epoch = steps_per_epoch(arms[0].config)  # the same data and batch size for every model
     queue = [(arm, seed) for seed in range(seeds) for arm in arms]
-    folder = lambda arm, seed: ROOT / f"{arm.name}-s{seed}"  # noqa: E731
     ROOT.mkdir(parents=True, exist_ok=True)
     (ROOT / "worker.pid").write_text(f"-{os.getpgrp()}\n")
     running: list[Turn] = []
     try:
         while True:
             busy = {turn.run for turn in running}
-            waiting = [(a, s) for a, s in queue if not finished(folder(a, s)) and folder(a, s) not in busy]
+            waiting = [(a, s) for a, s in queue if not finished(a.folder(s)) and a.folder(s) not in busy]
             while waiting and len(running) < workers:
-                arm, seed = min(waiting, key=lambda arm_seed: (epochs_done(folder(*arm_seed)), queue.index(arm_seed)))
+                arm, seed = min(waiting, key=lambda a_s: (epochs_done(a_s[0].folder(a_s[1])), queue.index(a_s)))
                 running.append(Turn(arm, seed, per_epoch, slice_epochs))
                 waiting.remove((arm, seed))
             if not running:

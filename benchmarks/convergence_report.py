@@ -20,7 +20,6 @@ from benchmarks.convergence import (
     PATIENCE,
     PLOT,
     RESULTS,
-    ROOT,
     Arm,
     finished,
     parse_arms,
@@ -61,7 +60,7 @@ def status(run: Path, summary: dict | None) -> str:
 
 
 def summarise(arm: Arm, seed: int) -> dict:
-    run = ROOT / f"{arm.name}-s{seed}"
+    run = arm.folder(seed)
     points = curve(run)
     best = min(range(len(points)), key=points.__getitem__) if points else None
     summary = json.loads((run / "summary.json").read_text()) if finished(run) else None
