@@ -195,22 +195,9 @@ def mean_field_update(crf, tokens_row, mask_row, q_z):
 
 
 def dense_head_messages(query, key, value, value_rev, scale, structure):
-    """float64 messages and lse: each arc's group's projections, a null head of logit 0."""
-    query, key, value, value_rev = (t.double() for t in (query, key, value, value_rev))
-    K = 2 * (structure.gamma + 1) + (1 if structure.nodes.shape[1] > structure.n else 0)
-    shared = query.shape[2] == 1
-    query, key, value, value_rev = (t.expand(-1, -1, K, -1, -1) for t in (query, key, value, value_rev))
-    one_hot = torch.nn.functional.one_hot(structure.groups, K).double()
-    logits = torch.einsum("bikcr,bjkcr,ijk->bcij", query, key, one_hot) * scale
-    logits = logits.masked_fill(~structure.arcs[:, None], -math.inf)
-    null = torch.where(structure.arcs.any(-1), -math.inf, 0.0).double()[:, None, :, None]
-    extended = torch.cat([logits, null.expand(*logits.shape[:-1], 1)], -1)
-    probs, lse = extended.softmax(-1)[..., :-1], extended.logsumexp(-1)
-    forward = torch.einsum("bcij,ijk,bjkcr->bikcr", probs, one_hot, value)
-    reverse = torch.einsum("bcji,jik,bjkcr->bikcr", probs, one_hot, value_rev)
-    if shared:
-        forward, reverse = forward.sum(2, keepdim=True), reverse.sum(2, keepdim=True)
-    return forward, reverse, lse
+    """float64 messages and lse: each arc's group's projections, a null head of logit 0
+    (``dense_attention_reference`` in float64)."""
+    return dense_attention_reference(*(t.double() for t in (query, key, value, value_rev)), scale, structure)
 
 
 def relative_errors(result, expected) -> list[float]:
