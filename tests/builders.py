@@ -220,7 +220,10 @@ def padded_token_batch(size=3, length=9, seed=0):
     return tokens, torch.arange(length)[None] < lengths[:, None]
 
 
-def head_structure_of(crf, mask):
+def head_structure_of(crf, mask, with_topology: bool = False):
+    """The kernels' view of a batch, built from the CRF's own masks (no input checks, so
+    whole padded sentences get through); ``with_topology``: the topology too (where a
+    kernel reads its data, such as a segment length), beside its table."""
     n = mask.shape[1]
     return HeadStructure(
         n=n,
@@ -231,6 +234,7 @@ def head_structure_of(crf, mask):
         nodes=crf.node_mask(mask),
         token_arcs=crf.topology.mask(n, mask.device)[:n, :n],
         band=crf.topology.band,
+        topology=crf.topology if with_topology else None,
     )
 
 

@@ -19,7 +19,7 @@ import graphs
 from inference.mean_field.engine import MeanField
 from inference.mean_field.kernels import flex as flex_kernel
 from inference.mean_field.kernels import head_kernels
-from inference.mean_field.kernels.head_kernels import HeadStructure
+from tests.builders import head_structure_of as structure_of
 
 pytestmark = pytest.mark.usefixtures("one_thread", "keep_global_rng")
 
@@ -153,21 +153,6 @@ ROUNDOFF = {torch.float64: 2**-52, torch.float32: 2**-20, torch.bfloat16: 2**-20
 
 def allowed_error(naive_error, dtype, potential):
     return 4 * naive_error + SLACK[dtype] + 4 * ROUNDOFF[dtype] * max(1.0, potential)
-
-
-def structure_of(crf, mask):
-    """The kernels' view of a batch, built from the CRF's own masks (no input checks, so
-    whole padded sentences get through)."""
-    n = mask.shape[1]
-    return HeadStructure(
-        n=n,
-        gamma=crf.gamma,
-        groups=crf.distance_groups(n),
-        arcs=crf.arc_mask(mask),
-        nodes=crf.node_mask(mask),
-        token_arcs=crf.topology.mask(n)[:n, :n],
-        band=crf.topology.band,
-    )
 
 
 @st.composite

@@ -8,7 +8,6 @@ gradients (inductor's CPU flex has no lse and no backward); the oracle is the ea
 reference on the same inputs, and the counts are Dynamo's own counters.
 """
 
-
 import pytest
 import torch
 from torch._dynamo.utils import counters

@@ -7,7 +7,6 @@ and their transposes for the backward) is checked separately against the dense a
 CUDA class runs the compiled kernel itself where a device is present.
 """
 
-
 import pytest
 import torch
 from hypothesis import given, settings

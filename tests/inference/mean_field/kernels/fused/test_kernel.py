@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import graphs
 import inference
 from inference.mean_field.kernels import head_kernels
-from inference.mean_field.kernels.head_kernels import HeadStructure
+from tests.builders import head_structure_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,18 +68,7 @@ def test_fused_at_many_blocks_equals_naive(topology):
 
 
 def structure_of(crf, mask):
-    n = mask.shape[1]
-    return HeadStructure(
-        n=n,
-        gamma=crf.gamma,
-        cuts=crf.distance_cuts,
-        groups=crf.distance_groups(n),
-        arcs=crf.arc_mask(mask),
-        nodes=crf.node_mask(mask),
-        token_arcs=crf.topology.mask(n)[:n, :n],
-        band=crf.topology.band,
-        topology=crf.topology,
-    )
+    return head_structure_of(crf, mask, with_topology=True)
 
 
 @pytest.mark.parametrize("topology", ["full", "causal", "window(9)", "segments(40)", "full | root()", "star()"])

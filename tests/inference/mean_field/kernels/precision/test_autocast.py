@@ -8,7 +8,6 @@ sliver), with scores large enough for log-normalisers near 430, where bfloat16 a
 inside a kernel errs by whole units.
 """
 
-
 import pytest
 import torch
 

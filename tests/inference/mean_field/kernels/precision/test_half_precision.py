@@ -18,7 +18,7 @@ from inference.mean_field.engine import MeanField
 from inference.mean_field.kernels import flex as flex_kernel
 from inference.mean_field.kernels import head_kernels
 from inference.mean_field.kernels.flex import flex
-from inference.mean_field.kernels.head_kernels import HeadStructure
+from tests.builders import head_structure_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,18 +76,7 @@ def test_mean_field_in_half_precision_is_finite_and_close_to_float32(kernel, top
 
 def structure_of(topology, gamma, mask):
     crf = graphs.CRF(vocab_size=5, labels=3, channels=2, rank=4, topology=topology, gamma=gamma)
-    n = mask.shape[1]
-    structure = HeadStructure(
-        n=n,
-        gamma=crf.gamma,
-        cuts=crf.distance_cuts,
-        groups=crf.distance_groups(n),
-        arcs=crf.arc_mask(mask),
-        nodes=crf.node_mask(mask),
-        token_arcs=crf.topology.mask(n)[:n, :n],
-        band=crf.topology.band,
-    )
-    return structure, crf.num_groups
+    return head_structure_of(crf, mask), crf.num_groups
 
 
 def half_projections(structure, groups, dtype, size):
