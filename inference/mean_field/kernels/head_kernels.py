@@ -36,8 +36,8 @@ attentions run through the CPU flash op in query blocks that skip fully masked k
 (``inference.mean_field.kernels.fused.far_attention``): each block reads only the keys its rows can reach, bounded by
 the topology's data (a band's reach, a segment length) where it has them. The fused
 kernel's steps (scores per part, row normalisers, messages) are ``fused/kernel.py``.
-Everything stays token-major (``[B, N, C, r]`` per group, views of the projections), and
-the messages come back as one tensor (``stacked``).
+Each group is read as ``[B, N, C, r]`` (a view of the group-major projections), and the
+messages come back as one slot-major tensor (``stacked``).
 
 Rows with no legal head (padding, ``causal`` at i = 0) get a zero row of P and
 ``lse = 0``: a "null head" of logit 0 is the only choice there, which keeps softmax
@@ -206,8 +206,8 @@ def fused(
     relative (two tied heads at |score| ~ 1e8 lose their log 2 entirely); ``MeanField``
     asks for float64 when its parameters allow scores that large (see ``score_bound``).
 
-    The messages come back as views of one token-major tensor ``stacked [B, N, 2, K, C, r]``
-    (forward, reverse), which the back-projection reads with one GEMM.
+    The messages come back as views of one tensor ``stacked [B, N, 2, K, C, r]`` (forward,
+    reverse), stored slot-major, which the back-projection reads with one batched GEMM.
 
     ``groups``: the projections hold only these groups, in this order (at least
     ``used_groups(structure)``), and so do the messages; None: all of them (or one shared)."""

@@ -3,9 +3,12 @@ form, and projecting only the used groups equals the naive kernel."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import graphs
 import inference
+from inference.mean_field import projections
 from tests.builders import padded_token_batch as batch
 from tests.builders import shared_crf
 
@@ -81,3 +84,47 @@ def test_shared_projections_equal_the_per_group_form(schedule, topology):
     shared, folded = (inference.MeanField(c, **options)(tokens, mask) for c in (crf, per_group_copy(crf, True)))
     torch.testing.assert_close(shared.z, folded.z, atol=1e-12, rtol=0)
     torch.testing.assert_close(shared.elbo, folded.elbo, atol=1e-12, rtol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    N=st.integers(1, 9),
+    K=st.integers(1, 4),
+    C=st.integers(1, 3),
+    r=st.integers(1, 4),
+    d=st.integers(1, 5),
+    groups=st.booleans(),
+    slot_major=st.booleans(),
+)
+def test_project_and_back_project_equal_their_sums(B, N, K, C, r, d, groups, slot_major):
+    """project: query[b, i, k, c] = sum_a q[b, i, a] U[k, c, a]; back_project: sum over the
+    groups, channels and ranks of head * forward U + dependents * reverse V, whichever layout
+    the messages are stored in; gradients included (float64 sums written here)."""
+    generator = torch.Generator().manual_seed(B * 1000 + N * 100 + K * 10 + C + r + d)
+    u, v = (torch.randn(K, C, d, r, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    q_z = torch.randn(B, N, d, generator=generator, dtype=torch.float64, requires_grad=True)
+    kept = tuple(range(K))[::2] if groups else None
+    scales = {"head": 0.7, "dependents": -1.3}
+    tables = projections.GemmTables.of(u, v, scales, kept)
+    u_kept, v_kept = (t if kept is None else t[list(kept)] for t in (u, v))
+    query, key = projections.project(q_z, tables)
+    torch.testing.assert_close(query, torch.einsum("bia,kcar->bikcr", q_z, u_kept))
+    torch.testing.assert_close(key, torch.einsum("bia,kcar->bikcr", q_z, v_kept))
+    k_kept = u_kept.shape[0]
+    messages = torch.randn(2, k_kept, B, N, C, r, generator=generator, dtype=torch.float64, requires_grad=True)
+    stacked = messages.permute(2, 3, 0, 1, 4, 5)  # slot-major storage, as the fused kernel writes
+    if not slot_major:
+        stacked = stacked.contiguous()
+    logits = projections.back_project(stacked, tables)
+    expected = 0.7 * torch.einsum("bikcr,kcar->bia", stacked[:, :, 0], u_kept)
+    expected = expected - 1.3 * torch.einsum("bikcr,kcar->bia", stacked[:, :, 1], v_kept)
+    torch.testing.assert_close(logits, expected)
+    weights = torch.randn(B, N, d, generator=generator, dtype=torch.float64)
+    loss = (weights * logits).sum() + (query.square().sum() - key.sum())
+    oracle = (weights * expected).sum()
+    oracle = oracle + torch.einsum("bia,kcar->bikcr", q_z, u_kept).square().sum()
+    oracle = oracle - torch.einsum("bia,kcar->bikcr", q_z, v_kept).sum()
+    inputs = (u, v, q_z, messages)
+    for got, want in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(oracle, inputs), strict=True):
+        torch.testing.assert_close(got, want)

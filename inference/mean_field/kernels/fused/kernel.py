@@ -9,8 +9,8 @@ one group each) and the slices touching virtual nodes. ``messages`` runs the alg
     3. the messages, each part's forward and reverse written into one tensor (``_band_parts``,
        ``_far_parts``, ``_virtual_parts``, then ``message_assembly.assemble``).
 
-Token-major throughout: projections ``[B, N, C, r]`` per group, row quantities (scores,
-normalisers) ``[B, n, C]``.
+Token-major throughout: projections ``[B, N, C, r]`` per group (views of the group-major
+projections, ``projections.project``), row quantities (scores, normalisers) ``[B, n, C]``.
 """
 
 from __future__ import annotations
@@ -87,16 +87,18 @@ def _group_of(offset: int, structure: HeadStructure) -> int:
 
 
 def _split_groups(tensors) -> list[list[torch.Tensor]]:
-    """Each ``[B, N, K, C, r]`` -> its K groups ``[B, N, C, r]`` (token-major views), with one
-    ``unbind`` per distinct tensor (async mean field passes key as value, query as value_rev):
-    its backward stacks the groups' gradients once, where indexing ``x[:, :, k]`` at every use
-    zero-filled a full-size gradient per use."""
+    """Each ``[B, N, K, C, r]`` -> its K groups ``[B, N, C, r]`` (views), with one ``unbind``
+    per distinct tensor (async mean field passes key as value, query as value_rev): its
+    backward stacks the groups' gradients once, where indexing ``x[:, :, k]`` at every use
+    zero-filled a full-size gradient per use. Split along the group dimension moved first,
+    so that the stacked gradient is group-major, the projections' own layout
+    (``projections.project``)."""
     split = {}
-    return [split.setdefault(id(t), list(t.unbind(2))) for t in tensors]
+    return [split.setdefault(id(t), list(t.movedim(2, 0).unbind(0))) for t in tensors]
 
 
 class _Inputs(NamedTuple):
-    """The fused kernel's inputs: the projections split per group (token-major views), and
+    """The fused kernel's inputs: the projections split per group (``[B, N, C, r]`` views), and
     where each group's projections and messages live (``slot``)."""
 
     queries: list[torch.Tensor]

@@ -1,11 +1,11 @@
 """The fused kernel's row-wise parts without autograd's copies: the near diagonals' scores
-(``band_scores``), and the messages written straight into one token-major tensor.
+(``band_scores``), and the messages written straight into one tensor.
 
 Every message of ``head_kernels.fused`` is a sum of parts ``weight[i] * source[i + shift]``
 over a range of rows (a band diagonal: the head probability times the value one offset
 away; a far attention: its weight times its output; the virtual nodes' products, unweighted).
 ``assemble`` writes each part once into ``[B, N, S, C, r]`` (S slots: forward and reverse of
-every group), zeroing only the rows no part covers. With autograd ops the same sum made a
+every group; stored slot-major), zeroing only the rows no part covers. With autograd ops the same sum made a
 product tensor per part, padded it to full length (another copy), then stacked the slots (a
 third), and each slice's backward zero-filled a full-size gradient.
 """
@@ -54,7 +54,8 @@ class _Assemble(torch.autograd.Function):
     def forward(ctx, spec, slots, rows, *tensors):
         # spec: (slot, row, length, source index, source row, weight index or -1, weight row)
         B, _, C, r = tensors[spec[0][3]].shape
-        out = tensors[spec[0][3]].new_empty(B, rows, slots, C, r)
+        # slot-major storage: each part writes one contiguous block (``projections``' layout)
+        out = tensors[spec[0][3]].new_empty(slots, B, rows, C, r).permute(1, 2, 0, 3, 4)
         covered = set()
         for slot, row, length, source, source_row, weight, weight_row in spec:
             target = _rows(out[:, :, slot], row, length)

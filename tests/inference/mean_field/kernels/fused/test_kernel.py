@@ -95,7 +95,8 @@ def test_fused_equals_naive_over_several_query_blocks(topology):
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
     stacked = head_kernels.fused(*projections, 0.8, structure).stacked
-    assert stacked.shape == (2, N, 2, crf.num_groups, 2, 3) and stacked.is_contiguous()
+    # stored slot-major, as back_project reads it with one batched GEMM
+    assert stacked.shape == (2, N, 2, crf.num_groups, 2, 3) and stacked.permute(2, 3, 0, 1, 4, 5).is_contiguous()
 
 
 @pytest.mark.parametrize(
