@@ -240,10 +240,13 @@ class MeanField(nn.Module):
         """float64 where float32 would be inaccurate, else None (``kernel_choice``)."""
         return kernel_choice.fused_compute_dtype(self.crf, self._score_bound, scale)
 
-    def heads(self, query, key, value, value_rev, structure, kernel, previous=None, groups=None):
-        """The head messages through ``kernel`` (``kernel_choice.heads``)."""
+    def heads(self, query, key, value, value_rev, structure, kernel, previous=None, tables: GemmTables | None = None):
+        """The head messages through ``kernel`` (``kernel_choice.heads``); ``tables``: the
+        forward's ``gemm_tables``, whose groups the projections hold and through which the
+        fused kernel back-projects its messages as it writes them."""
         chosen = (self.options, self.crf, self._score_bound, query, key, value, value_rev, structure, kernel)
-        return kernel_choice.heads(*chosen, training=self.training, previous=previous, groups=groups)
+        groups, back = (None, None) if tables is None else (tables.groups, tables.back)
+        return kernel_choice.heads(*chosen, training=self.training, previous=previous, groups=groups, back=back)
 
     def topic(self, q_z, mask):
         """Global-variable marginals ``[B, n, g]`` and their message to the labels ``[B, N, d]``.
@@ -284,7 +287,9 @@ class MeanField(nn.Module):
         the global message (None: no global variable)."""
         s = self.scales()
         logits = s["unary"] * unary
-        if messages is not None:  # both directions, every group (or the groups' sum) in one GEMM
+        if messages is not None and messages.label_message is not None:  # back-projected by the kernel
+            logits = logits + messages.label_message
+        elif messages is not None:  # both directions, every group (or the groups' sum) in one GEMM
             stacked = messages.stacked
             if stacked is None:  # the fused kernel writes them stacked; the others are stacked here
                 stacked = torch.stack([messages.forward, messages.reverse], 2)

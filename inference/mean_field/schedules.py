@@ -96,7 +96,7 @@ def heads_then_labels(schedule: str, global_labels: int, steps: LayerSteps, batc
     else:  # zero projections and labels give uniform heads and globals at t = 0
         source = lagged or (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(q_z))
         lagged = (query, key, q_z)
-    heads = steps.heads(source[0], source[1], key, query, batch.structure, batch.kernel, heads, batch.tables.groups)
+    heads = steps.heads(source[0], source[1], key, query, batch.structure, batch.kernel, heads, batch.tables)
     topic_message = steps.topic(source[2], batch.mask)[1] if global_labels else None
     new = steps.label_logits(batch.unary, heads, topic_message, batch.tables)
     if batch.terms is not None:
@@ -122,7 +122,7 @@ def macaron(steps: LayerSteps, batch: Batch, q_z, heads, topic_late):
     late = torch.zeros_like(topic_early) if topic_late is None else topic_late
     q_z = half_step(heads, 0.5 * (topic_early + late))
     query, key = steps.project(q_z, batch.tables)
-    heads = steps.heads(query, key, key, query, batch.structure, batch.kernel, heads, batch.tables.groups)
+    heads = steps.heads(query, key, key, query, batch.structure, batch.kernel, heads, batch.tables)
     q_z = half_step(heads, 0.5 * (topic_early + late))
     topic_late = steps.topic(q_z, batch.mask)[1]
     new = steps.label_logits(batch.unary, heads, 0.5 * (topic_early + topic_late), batch.tables) + factor_message

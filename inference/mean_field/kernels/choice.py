@@ -139,11 +139,14 @@ def heads(
     training: bool,
     previous=None,
     groups=None,
+    back=None,
 ):
     """The head messages (``head_kernels.HeadMessages``) through ``kernel`` for an engine with
     ``options`` on ``crf``; ``previous``: the last iteration's (the naive kernel's damping and
     step size read it); ``groups``: the groups the projections hold (the fused kernel only:
-    ``MeanField.gemm_tables``)."""
+    ``MeanField.gemm_tables``); ``back``: the back-projection tables, which the fused kernel
+    applies as it writes the messages (``HeadMessages.label_message``; the others leave it
+    to ``MeanField.label_logits``)."""
     scale = options.scales()["attention"]
     bias = crf.projection_tables()[2]
     if groups is not None and kernel != "fused":
@@ -152,9 +155,8 @@ def heads(
         compute_dtype = fused_compute_dtype(crf, score_bound, scale)
         kernel = _flex_or_fused(kernel, query, compute_dtype)
         if kernel == "fused":
-            return head_kernels.fused(
-                query, key, value, value_rev, scale, structure, compute_dtype=compute_dtype, bias=bias, groups=groups
-            )
+            fused_options = dict(compute_dtype=compute_dtype, bias=bias, groups=groups, back=back)
+            return head_kernels.fused(query, key, value, value_rev, scale, structure, **fused_options)
         return flex_kernel.flex(query, key, value, value_rev, scale, structure, compute_dtype=compute_dtype, bias=bias)
     first = query.new_ones(()) if options.initial_head_logits == "ones" else None  # the reference's cache
     return head_kernels.naive(

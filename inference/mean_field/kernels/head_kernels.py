@@ -196,6 +196,7 @@ def fused(
     compute_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
     groups: tuple[int, ...] | None = None,
+    back: torch.Tensor | None = None,
 ) -> HeadMessages:
     """Half-precision inputs are computed in float32 and the results cast back: the reverse
     messages divide by row normalisers computed elsewhere (exp(score - lse of another row)),
@@ -210,7 +211,11 @@ def fused(
     reverse), stored slot-major, which the back-projection reads with one batched GEMM.
 
     ``groups``: the projections hold only these groups, in this order (at least
-    ``used_groups(structure)``), and so do the messages; None: all of them (or one shared)."""
+    ``used_groups(structure)``), and so do the messages; None: all of them (or one shared).
+
+    ``back``: the back-projection tables ``[2 K, C r, d]`` (``projections.GemmTables.back``);
+    the messages then also come back projected to label logits (``label_message``), each
+    slot multiplied as it is written (see ``message_assembly``)."""
     if structure.prior is not None:
         raise ValueError("the fused kernel has no head prior (adaptive span); use kernel='naive'")
     dtype = query.dtype
@@ -218,15 +223,19 @@ def fused(
     if compute_dtype is not None and torch.finfo(compute_dtype).bits > torch.finfo(wide).bits:
         wide = compute_dtype
     bias = None if bias is None else bias.to(wide)
+    back = None if back is None else back.to(wide)
     flash = fused_available(query.device)  # looked up here: tests patch it
     projections = [t.to(wide) for t in (query, key, value, value_rev)]
-    result = fused_kernel.messages(*projections, scale, structure, messages, bias, flash, groups)
+    result = fused_kernel.messages(*projections, scale, structure, messages, bias, flash, groups, back)
     lse = result.lse.to(dtype)
     if result.stacked is None:
         return HeadMessages(None, None, lse, query=query, key=key, groups=groups)
     stacked = result.stacked.to(dtype)
     forward, reverse = stacked[:, :, 0], stacked[:, :, 1]
-    return HeadMessages(forward, reverse, lse, query=query, key=key, stacked=stacked, groups=groups)
+    label_message = None if result.label_message is None else result.label_message.to(dtype)
+    return HeadMessages(
+        forward, reverse, lse, query=query, key=key, stacked=stacked, groups=groups, label_message=label_message
+    )
 
 
 @full_precision

@@ -247,3 +247,6 @@ class HeadMessages:
     key: torch.Tensor | None = None
     stacked: torch.Tensor | None = None  # [B, N, 2, K, C, r]: forward and reverse in one tensor (fused)
     groups: tuple[int, ...] | None = None  # the group of each projection slot (None: slot k is group k)
+    # [B, N, d]: the messages back-projected to label logits through the tables the kernel was
+    # given (fused, when given them; ``projections.back_project`` of ``stacked`` otherwise)
+    label_message: torch.Tensor | None = None

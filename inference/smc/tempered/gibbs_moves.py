@@ -30,6 +30,7 @@ from inference.smc.tempered.target import TemperedTarget
 
 __all__ = ["sweep", "sample_heads", "sample_globals", "update_labels", "label_logits"]
 
+
 def _column(beta: torch.Tensor, dims: int, dtype) -> torch.Tensor:
     """``[S]`` as ``[S, 1, ..., 1]`` with ``dims`` trailing ones."""
     return beta.to(dtype).reshape(-1, *([1] * dims))

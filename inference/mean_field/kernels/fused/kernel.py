@@ -124,9 +124,12 @@ class _Inputs(NamedTuple):
         return self.structure.nodes[:, : self.structure.n, None]
 
 
-def messages(query, key, value, value_rev, scale, structure: HeadStructure, with_messages: bool, bias, flash, groups):
+def messages(
+    query, key, value, value_rev, scale, structure: HeadStructure, with_messages: bool, bias, flash, groups, back=None
+):
     """The head messages and row log-normalisers of ``head_kernels.fused`` (its arguments,
-    already in the computing type); ``with_messages=False``: the normalisers only."""
+    already in the computing type); ``with_messages=False``: the normalisers only; ``back``:
+    also the messages' back-projection (``message_assembly.assemble``)."""
     x = _Inputs(*_split_groups((query, key, value, value_rev)), query.shape[2], scale, structure, bias, groups)
     sides, spans = _far_masks(structure), _far_spans(structure)
     # 1. scores of every part, per row
@@ -145,9 +148,10 @@ def messages(query, key, value, value_rev, scale, structure: HeadStructure, with
     N = query.shape[1]
     if not parts:  # no arc can exist (n = 1, no virtual node): zero messages
         parts.append(Part(0, 0, N, x.queries[0].new_zeros(()).expand_as(x.queries[0]), 0))
-    stacked = assemble(parts, 2 * x.K, N).unflatten(2, (2, x.K))
+    stacked, label_message = assemble(parts, 2 * x.K, N, back)
+    stacked = stacked.unflatten(2, (2, x.K))
     lse = torch.where(has_head[:, None], lse, 0.0)
-    return HeadMessages(stacked[:, :, 0], stacked[:, :, 1], lse, stacked=stacked)
+    return HeadMessages(stacked[:, :, 0], stacked[:, :, 1], lse, stacked=stacked, label_message=label_message)
 
 
 def _band_scores(x: _Inputs) -> dict[int, torch.Tensor]:

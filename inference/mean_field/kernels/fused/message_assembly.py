@@ -49,35 +49,59 @@ def write_product(target: torch.Tensor, value: torch.Tensor, factor: torch.Tenso
         torch.mul(value, factor, out=target)
 
 
+def _by_slot(spec) -> dict[int, list]:
+    """The parts of each slot, in the order given (a slot's sum is written in that order)."""
+    slots: dict[int, list] = {}
+    for part in spec:
+        slots.setdefault(part[0], []).append(part)
+    return slots
+
+
 class _Assemble(torch.autograd.Function):
+    """The messages, and with ``back`` their back-projection ``sum_s out[:, :, s] back[s]``,
+    one slot at a time: a slot's block is multiplied while it is still in cache, and in the
+    backward its gradient from the label logits is made per slot and read at once, where a
+    separate GEMM wrote all 2 K slots' gradients out first and the parts read them back."""
+
     @staticmethod
-    def forward(ctx, spec, slots, rows, *tensors):
+    def forward(ctx, spec, slots, rows, back, *tensors):
         # spec: (slot, row, length, source index, source row, weight index or -1, weight row)
+        ctx.set_materialize_grads(False)
         B, _, C, r = tensors[spec[0][3]].shape
         # slot-major storage: each part writes one contiguous block (``projections``' layout)
         out = tensors[spec[0][3]].new_empty(slots, B, rows, C, r).permute(1, 2, 0, 3, 4)
-        covered = set()
-        for slot, row, length, source, source_row, weight, weight_row in spec:
-            target = _rows(out[:, :, slot], row, length)
-            value = _rows(tensors[source], source_row, length)
-            if slot in covered:  # a later part of the slot: added in order
-                target += value if weight < 0 else _rows(tensors[weight], weight_row, length) * value
-                continue
-            covered.add(slot)
-            out[:, :row, slot] = 0
-            out[:, row + length :, slot] = 0
-            write_product(target, value, None if weight < 0 else _rows(tensors[weight], weight_row, length))
-        for slot in set(range(slots)) - covered:
-            out[:, :, slot] = 0
-        ctx.spec = spec
-        ctx.save_for_backward(*tensors)
-        return out
+        label = None if back is None else out.new_zeros(B * rows, back.shape[-1])
+        parts = _by_slot(spec)
+        for slot in range(slots):
+            block = out[:, :, slot]
+            if slot not in parts:
+                block.zero_()
+            for index, (_, row, length, source, source_row, weight, weight_row) in enumerate(parts.get(slot, ())):
+                target = _rows(block, row, length)
+                value = _rows(tensors[source], source_row, length)
+                factor = None if weight < 0 else _rows(tensors[weight], weight_row, length)
+                if index:  # a later part of the slot: added in order
+                    target += value if factor is None else factor * value
+                    continue
+                block[:, :row] = 0
+                block[:, row + length :] = 0
+                write_product(target, value, factor)
+            if back is not None:
+                label.addmm_(block.reshape(B * rows, C * r), back[slot])
+        ctx.spec, ctx.slots, ctx.with_back = spec, slots, back is not None
+        ctx.save_for_backward(out if back is not None else None, back, *tensors)
+        if back is None:
+            return out, None
+        return out, label.view(B, rows, -1)
 
     @staticmethod
-    def backward(ctx, grad):
-        tensors = ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
+    def backward(ctx, grad, grad_label):
+        out, back, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[4:]
         grads = [None] * len(tensors)
+        grad_back = None
+        if grad_label is not None and ctx.needs_input_grad[3]:
+            grad_back = torch.empty_like(back)
 
         def accumulate(index: int, start: int, value: torch.Tensor, factor: torch.Tensor | None = None):
             if grads[index] is None:  # the first part: written, the other rows zeroed
@@ -90,19 +114,34 @@ class _Assemble(torch.autograd.Function):
                 target = _rows(grads[index], start, value.shape[1])
                 target += value if factor is None else value * factor
 
-        for slot, row, length, source, source_row, weight, weight_row in ctx.spec:
-            part = _rows(grad[:, :, slot], row, length)
-            w = None if weight < 0 else _rows(tensors[weight], weight_row, length)
-            if needs[source]:
-                accumulate(source, source_row, part, w)
-            if weight >= 0 and needs[weight]:
-                accumulate(weight, weight_row, (part * _rows(tensors[source], source_row, length)).sum(-1, True))
-        return (None, None, None, *grads)
+        parts = _by_slot(ctx.spec)
+        if grad_label is not None:
+            shape = out.shape[:2] + out.shape[3:]  # one slot's [B, rows, C, r]
+            labels = grad_label.reshape(shape[0] * shape[1], -1)
+        for slot in range(ctx.slots):
+            block = None if grad is None else grad[:, :, slot]
+            if grad_label is not None:  # this slot's share of the label logits' gradient
+                from_labels = (labels @ back[slot].T).view(shape)
+                block = from_labels if block is None else from_labels.add_(block)
+                if grad_back is not None:
+                    torch.mm(out[:, :, slot].reshape(labels.shape[0], -1).T, labels, out=grad_back[slot])
+            if block is None:
+                continue
+            for _, row, length, source, source_row, weight, weight_row in parts.get(slot, ()):
+                part = _rows(block, row, length)
+                w = None if weight < 0 else _rows(tensors[weight], weight_row, length)
+                if needs[source]:
+                    accumulate(source, source_row, part, w)
+                if weight >= 0 and needs[weight]:
+                    accumulate(weight, weight_row, (part * _rows(tensors[source], source_row, length)).sum(-1, True))
+        return (None, None, None, grad_back, *grads)
 
 
-def assemble(parts: list[Part], slots: int, rows: int) -> torch.Tensor:
-    """``[B, rows, slots, C, r]``: each slot the sum of its parts in the order given (zero
-    where none); differentiable in every source and weight."""
+def assemble(parts: list[Part], slots: int, rows: int, back: torch.Tensor | None = None):
+    """``(out [B, rows, slots, C, r], label message [B, rows, d] or None)``: each slot of
+    ``out`` the sum of its parts in the order given (zero where none), and with ``back
+    [slots, C r, d]`` the back-projection ``sum_s out[:, :, s] back[s]`` (flattened over
+    C r); differentiable in every source, weight and ``back``."""
     if not parts:
         raise ValueError("assemble needs at least one part")
     tensors, index = [], {}
@@ -118,7 +157,7 @@ def assemble(parts: list[Part], slots: int, rows: int) -> torch.Tensor:
     spec = tuple(
         (p.slot, p.row, p.length, position(p.source), p.source_row, position(p.weight), p.weight_row) for p in parts
     )
-    return _Assemble.apply(spec, slots, rows, *tensors)
+    return _Assemble.apply(spec, slots, rows, back, *tensors)
 
 
 class _BandScores(torch.autograd.Function):
