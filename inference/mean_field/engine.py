@@ -218,10 +218,11 @@ class MeanField(nn.Module):
         soft = ((ramp + self.spans()[:, None, None] - distance) / ramp).clamp(1e-6, 1)
         return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
-    def project(self, q_z, tables: GemmTables | None = None):
+    def project(self, q_z, tables: GemmTables | None = None, grouped: bool = False):
         """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals (K = 1:
-        one serves every group, the shared form). ``tables``: ``gemm_tables()``, once per forward."""
-        return project(q_z, tables or self.gemm_tables())
+        one serves every group, the shared form). ``tables``: ``gemm_tables()``, once per forward;
+        ``grouped``: as tuples of the K groups (``projections.project``)."""
+        return project(q_z, tables or self.gemm_tables(), grouped)
 
     def gemm_tables(self, structure: HeadStructure | None = None, kernel: str = "naive") -> GemmTables:
         """The projection tables in the GEMMs' layouts, message weights included; for the fused
@@ -334,7 +335,8 @@ class MeanField(nn.Module):
                 return messages.probs
             scale = self.scales()["attention"]
             bias = self.head_bias()
-            logits_h = head_kernels.naive_logits(messages.query, messages.key, scale, structure, bias, messages.groups)
+            query, key = (torch.stack(t, 2) if isinstance(t, tuple) else t for t in (messages.query, messages.key))
+            logits_h = head_kernels.naive_logits(query, key, scale, structure, bias, messages.groups)
             return softmax_with_null(logits_h, structure.has_head)[0]
 
         def trace():

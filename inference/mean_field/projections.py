@@ -53,12 +53,53 @@ class GemmTables:
         return cls(query, key, back, (u.shape[0], u.shape[1], u.shape[3]), groups)
 
 
-def project(q_z: torch.Tensor, tables: GemmTables) -> tuple[torch.Tensor, torch.Tensor]:
+class _GroupProjection(torch.autograd.Function):
+    """``rows [M, d]`` times each group's table ``[K, d, C r]``: K separate outputs, each with
+    its own gradient edge, so that a kernel reading the groups apart hands their gradients
+    straight to these GEMMs (split from one ``[.., K, ..]`` tensor, autograd would first
+    stack them into a copy of the whole)."""
+
+    @staticmethod
+    def forward(ctx, rows, table):
+        ctx.set_materialize_grads(False)  # an unread group's gradient stays None: no zeros made
+        ctx.save_for_backward(rows, table)
+        return tuple(rows @ table[k] for k in range(table.shape[0]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows, table = ctx.saved_tensors
+        grad_rows, grad_table = None, None
+        if ctx.needs_input_grad[1]:
+            grad_table = torch.zeros_like(table)
+        for k, grad in enumerate(grads):
+            if grad is None:
+                continue
+            # under autocast the outputs (and so their gradients) are half precision: the
+            # backward runs outside it, in the inputs' own type
+            grad = grad.reshape(rows.shape[0], -1).to(table.dtype)
+            if ctx.needs_input_grad[0]:
+                product = (grad @ table[k].T).to(rows.dtype)
+                grad_rows = product if grad_rows is None else grad_rows.add_(product)
+            if grad_table is not None:
+                torch.mm(rows.T, grad, out=grad_table[k])
+        return grad_rows, grad_table
+
+
+def project(q_z: torch.Tensor, tables: GemmTables, grouped: bool = False):
     """``(query, key)`` ``[B, N, K, C, r]``, views of group-major ``[K, B, N, C, r]``: one
     batched GEMM per table over the groups. Two GEMMs, not one over ``[U | V]``: their
-    gradients arrive separately, and one GEMM would first stack them (a copy of both)."""
+    gradients arrive separately, and one GEMM would first stack them (a copy of both).
+
+    ``grouped=True``: each as a tuple of its K groups ``[B, N, C, r]`` instead, each group
+    its own output (the fused kernel reads them so, ``head_kernels.fused``)."""
     B, N, d = q_z.shape
     K, C, r = tables.shape
+    if grouped:
+        rows = q_z.reshape(B * N, d)
+        return tuple(
+            tuple(group.view(B, N, C, r) for group in _GroupProjection.apply(rows, table))
+            for table in (tables.query, tables.key)
+        )
 
     def grouped(table: torch.Tensor) -> torch.Tensor:
         # bmm of the rows expanded over the groups: matmul's broadcasting backward transposes

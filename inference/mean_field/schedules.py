@@ -21,8 +21,8 @@ class LayerSteps(NamedTuple):
     """The operations of one mean-field layer, bound to an engine (each documented on
     ``MeanField``): what the schedules and the bound call."""
 
-    project: Callable  # (q_z, tables=None) -> (query, key)
-    heads: Callable  # (query, key, value, value_rev, structure, kernel, previous=None, groups=None) -> HeadMessages
+    project: Callable  # (q_z, tables=None, grouped=False) -> (query, key)
+    heads: Callable  # (query, key, value, value_rev, structure, kernel, previous=None, tables=None) -> HeadMessages
     topic: Callable  # (q_z, mask) -> (global marginals, their message to the labels)
     label_logits: Callable  # (unary, messages, topic_message, tables=None) -> label logits
     log_normaliser: Callable  # (query, key, structure, kernel) -> [B, C, N] head-row log-normalisers
@@ -90,11 +90,11 @@ def heads_then_labels(schedule: str, global_labels: int, steps: LayerSteps, batc
     updates, then the label logits. async reads the current labels; parallel (Jacobi) reads
     ``lagged``, the last iteration's projections and labels, and returns this one's.
     Returns ``(new label logits, head messages, lagged)``."""
-    query, key = steps.project(q_z, batch.tables)
+    query, key = steps.project(q_z, batch.tables, batch.kernel == "fused")
     if schedule == "async":
         source = (query, key, q_z)
     else:  # zero projections and labels give uniform heads and globals at t = 0
-        source = lagged or (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(q_z))
+        source = lagged or (_zeros_like(query), _zeros_like(key), torch.zeros_like(q_z))
         lagged = (query, key, q_z)
     heads = steps.heads(source[0], source[1], key, query, batch.structure, batch.kernel, heads, batch.tables)
     topic_message = steps.topic(source[2], batch.mask)[1] if global_labels else None
@@ -121,12 +121,19 @@ def macaron(steps: LayerSteps, batch: Batch, q_z, heads, topic_late):
     topic_early = steps.topic(q_z, batch.mask)[1]
     late = torch.zeros_like(topic_early) if topic_late is None else topic_late
     q_z = half_step(heads, 0.5 * (topic_early + late))
-    query, key = steps.project(q_z, batch.tables)
+    query, key = steps.project(q_z, batch.tables, batch.kernel == "fused")
     heads = steps.heads(query, key, key, query, batch.structure, batch.kernel, heads, batch.tables)
     q_z = half_step(heads, 0.5 * (topic_early + late))
     topic_late = steps.topic(q_z, batch.mask)[1]
     new = steps.label_logits(batch.unary, heads, 0.5 * (topic_early + topic_late), batch.tables) + factor_message
     return new, heads, topic_late
+
+
+def _zeros_like(projection):
+    """Zero projections, as a tensor or as the tuple of its groups (the fused kernel's form)."""
+    if isinstance(projection, tuple):
+        return tuple(torch.zeros_like(group) for group in projection)
+    return torch.zeros_like(projection)
 
 
 def _check_factor_messages(crf, terms) -> None:

@@ -2,7 +2,6 @@
 template, what is not a template is refused, a plain function model gives the same answers,
 and an engine that would ignore a raw factor refuses it."""
 
-
 import pyro
 import pytest
 import torch

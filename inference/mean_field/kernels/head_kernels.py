@@ -180,6 +180,13 @@ def naive(
 # ---- fused ------------------------------------------------------------------------
 
 
+def _to(projection, dtype: torch.dtype):
+    """A projection ``[B, N, K, C, r]``, or the tuple of its groups, in ``dtype``."""
+    if isinstance(projection, tuple):
+        return tuple(group.to(dtype) for group in projection)
+    return projection.to(dtype)
+
+
 def fused_available(device: torch.device) -> bool:
     return flash_available(device)
 
@@ -212,20 +219,24 @@ def fused(
 
     ``groups``: the projections hold only these groups, in this order (at least
     ``used_groups(structure)``), and so do the messages; None: all of them (or one shared).
+    Each projection is a ``[B, N, K, C, r]`` tensor or the tuple of its K groups ``[B, N, C,
+    r]`` (``projections.project(..., grouped=True)``: their gradients then reach the
+    projection's GEMMs without being stacked into one tensor first).
 
     ``back``: the back-projection tables ``[2 K, C r, d]`` (``projections.GemmTables.back``);
     the messages then also come back projected to label logits (``label_message``), each
     slot multiplied as it is written (see ``message_assembly``)."""
     if structure.prior is not None:
         raise ValueError("the fused kernel has no head prior (adaptive span); use kernel='naive'")
-    dtype = query.dtype
+    first = query[0] if isinstance(query, tuple) else query
+    dtype, device = first.dtype, first.device
     wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
     if compute_dtype is not None and torch.finfo(compute_dtype).bits > torch.finfo(wide).bits:
         wide = compute_dtype
     bias = None if bias is None else bias.to(wide)
     back = None if back is None else back.to(wide)
-    flash = fused_available(query.device)  # looked up here: tests patch it
-    projections = [t.to(wide) for t in (query, key, value, value_rev)]
+    flash = fused_available(device)  # looked up here: tests patch it
+    projections = [_to(t, wide) for t in (query, key, value, value_rev)]
     result = fused_kernel.messages(*projections, scale, structure, messages, bias, flash, groups, back)
     lse = result.lse.to(dtype)
     if result.stacked is None:

@@ -22,18 +22,20 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _wide(value):
+    if isinstance(value, tuple):  # projections given as their groups
+        return tuple(map(_wide, value))
     if isinstance(value, torch.Tensor) and value.dtype in _HALF:
         return value.to(torch.float32)
     return value
 
 
 def full_precision(kernel):
-    """Decorate a kernel whose first argument is a tensor: under autocast on that tensor's
-    device, run it outside autocast with half-precision tensor arguments in float32."""
+    """Decorate a kernel whose first argument is a tensor (or a tuple of them): under autocast
+    on its device, run it outside autocast with half-precision tensor arguments in float32."""
 
     @functools.wraps(kernel)
     def run(*args, **kwargs):
-        device = args[0].device.type
+        device = (args[0][0] if isinstance(args[0], tuple) else args[0]).device.type
         if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
             return kernel(*args, **kwargs)
         with torch.autocast(device, enabled=False):

@@ -243,8 +243,8 @@ class HeadMessages:
     lse: torch.Tensor  # [B, C, N]
     probs: torch.Tensor | None = None  # [B, C, N, N] (naive only)
     logits: torch.Tensor | None = None  # [B, C, N, N] (naive only; for damping)
-    query: torch.Tensor | None = None  # the projections the head marginals were computed from
-    key: torch.Tensor | None = None
+    query: torch.Tensor | tuple | None = None  # the projections the head marginals were computed from
+    key: torch.Tensor | tuple | None = None  # (a tuple: the K groups, ``project(..., grouped=True)``)
     stacked: torch.Tensor | None = None  # [B, N, 2, K, C, r]: forward and reverse in one tensor (fused)
     groups: tuple[int, ...] | None = None  # the group of each projection slot (None: slot k is group k)
     # [B, N, d]: the messages back-projected to label logits through the tables the kernel was

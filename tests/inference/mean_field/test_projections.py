@@ -96,11 +96,13 @@ def test_shared_projections_equal_the_per_group_form(schedule, topology):
     d=st.integers(1, 5),
     groups=st.booleans(),
     slot_major=st.booleans(),
+    grouped=st.booleans(),
 )
-def test_project_and_back_project_equal_their_sums(B, N, K, C, r, d, groups, slot_major):
-    """project: query[b, i, k, c] = sum_a q[b, i, a] U[k, c, a]; back_project: sum over the
-    groups, channels and ranks of head * forward U + dependents * reverse V, whichever layout
-    the messages are stored in; gradients included (float64 sums written here)."""
+def test_project_and_back_project_equal_their_sums(B, N, K, C, r, d, groups, slot_major, grouped):
+    """project: query[b, i, k, c] = sum_a q[b, i, a] U[k, c, a] (as one tensor, or as the
+    tuple of its groups); back_project: sum over the groups, channels and ranks of head *
+    forward U + dependents * reverse V, whichever layout the messages are stored in;
+    gradients included (float64 sums written here)."""
     generator = torch.Generator().manual_seed(B * 1000 + N * 100 + K * 10 + C + r + d)
     u, v = (torch.randn(K, C, d, r, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(2))
     q_z = torch.randn(B, N, d, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -108,7 +110,10 @@ def test_project_and_back_project_equal_their_sums(B, N, K, C, r, d, groups, slo
     scales = {"head": 0.7, "dependents": -1.3}
     tables = projections.GemmTables.of(u, v, scales, kept)
     u_kept, v_kept = (t if kept is None else t[list(kept)] for t in (u, v))
-    query, key = projections.project(q_z, tables)
+    query, key = projections.project(q_z, tables, grouped)
+    if grouped:  # each group its own tensor, its own gradient edge
+        assert isinstance(query, tuple) and len(query) == len(key) == u_kept.shape[0]
+        query, key = torch.stack(query, 2), torch.stack(key, 2)
     torch.testing.assert_close(query, torch.einsum("bia,kcar->bikcr", q_z, u_kept))
     torch.testing.assert_close(key, torch.einsum("bia,kcar->bikcr", q_z, v_kept))
     k_kept = u_kept.shape[0]

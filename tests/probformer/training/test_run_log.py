@@ -220,9 +220,7 @@ def killed_at(point, config, run):
 def test_a_killed_and_resumed_run_writes_the_same_csv(tmp_path):
     config = write_config(tmp_path, kind="particle_transformer", model=PARTICLE, clip=1.0)
     train(config, tmp_path / "full", progress=False)
-    child = fork_context().Process(
-        target=killed_at, args=("metrics:partial@4", config, tmp_path / "run")
-    )
+    child = fork_context().Process(target=killed_at, args=("metrics:partial@4", config, tmp_path / "run"))
     child.start()
     child.join(timeout=120)
     assert child.exitcode == -signal.SIGKILL

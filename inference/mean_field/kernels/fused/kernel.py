@@ -92,9 +92,12 @@ def _split_groups(tensors) -> list[list[torch.Tensor]]:
     backward stacks the groups' gradients once, where indexing ``x[:, :, k]`` at every use
     zero-filled a full-size gradient per use. Split along the group dimension moved first,
     so that the stacked gradient is group-major, the projections' own layout
-    (``projections.project``)."""
+    (``projections.project``). Projections given as their groups (a tuple, ``project(...,
+    grouped=True)``) are read as they are: no split, and no stack in the backward."""
     split = {}
-    return [split.setdefault(id(t), list(t.movedim(2, 0).unbind(0))) for t in tensors]
+    return [
+        split.setdefault(id(t), list(t) if isinstance(t, tuple) else list(t.movedim(2, 0).unbind(0))) for t in tensors
+    ]
 
 
 class _Inputs(NamedTuple):
@@ -130,7 +133,8 @@ def messages(
     """The head messages and row log-normalisers of ``head_kernels.fused`` (its arguments,
     already in the computing type); ``with_messages=False``: the normalisers only; ``back``:
     also the messages' back-projection (``message_assembly.assemble``)."""
-    x = _Inputs(*_split_groups((query, key, value, value_rev)), query.shape[2], scale, structure, bias, groups)
+    x = _Inputs(*_split_groups((query, key, value, value_rev)), None, scale, structure, bias, groups)
+    x = x._replace(K=len(x.queries))
     sides, spans = _far_masks(structure), _far_spans(structure)
     # 1. scores of every part, per row
     band = _band_scores(x)
@@ -145,7 +149,7 @@ def messages(
     parts = _band_parts(x, band, lse_tokens) + _far_parts(x, far, lse_tokens, sides, spans, flash)
     if virtual is not None:
         parts += _virtual_parts(x, virtual, lse_tokens, lse_virtual)
-    N = query.shape[1]
+    N = x.queries[0].shape[1]
     if not parts:  # no arc can exist (n = 1, no virtual node): zero messages
         parts.append(Part(0, 0, N, x.queries[0].new_zeros(()).expand_as(x.queries[0]), 0))
     stacked, label_message = assemble(parts, 2 * x.K, N, back)

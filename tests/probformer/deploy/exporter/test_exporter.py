@@ -425,7 +425,7 @@ def test_an_export_that_differs_from_its_source_is_not_written(tmp_path, monkeyp
     from probformer.deploy import exporter
 
     model = transformer()
-    wrong = lambda path: (lambda tokens, mask: model(tokens, mask)[0] + 1e-3)  # noqa: E731
+    wrong = lambda path: lambda tokens, mask: model(tokens, mask)[0] + 1e-3  # noqa: E731
     monkeypatch.setattr(exporter, "load", wrong)
     with pytest.raises(RuntimeError, match="differs from the source model by 0.001"):
         probformer.export(model, tmp_path / "x")

@@ -67,6 +67,37 @@ def test_fused_at_many_blocks_equals_naive(topology):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
 
 
+@pytest.mark.parametrize("topology", ["full", "segments(40)", "window(9) | root()"])
+def test_fused_reads_projections_given_as_their_groups(topology):
+    """Projections as tuples of their K groups (``project(..., grouped=True)``), key passed as
+    value and query as value_rev (the async schedule's sharing): the naive kernel's messages,
+    lse and gradients, each group's gradient its own."""
+    structure, projections = topology_problem(topology, 150, 3, [0, 40], 0)
+    generator = torch.Generator().manual_seed(2)
+    results = []
+    for grouped in (False, True):
+        if grouped:
+            leaves = [tuple(g.clone().requires_grad_() for g in p.unbind(2)) for p in projections[:2]]
+            kernel, inputs = head_kernels.fused, [g for p in leaves for g in p]
+        else:
+            leaves = [p.clone().requires_grad_() for p in projections[:2]]
+            kernel, inputs = head_kernels.naive, leaves
+        query, key = leaves
+        out = kernel(query, key, key, query, 0.8, structure)
+        generator.manual_seed(2)
+        loss = sum(
+            (t * torch.randn(t.shape, generator=generator, dtype=t.dtype)).sum()
+            for t in (out.forward, out.reverse, out.lse)
+        )
+        grads = torch.autograd.grad(loss, inputs)
+        if grouped:
+            K = len(query)
+            grads = [torch.stack(grads[:K], 2), torch.stack(grads[K:], 2)]
+        results.append([out.forward, out.reverse, out.lse, *grads])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
 def structure_of(crf, mask):
     return head_structure_of(crf, mask, with_topology=True)
 
