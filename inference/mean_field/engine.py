@@ -218,11 +218,11 @@ class MeanField(nn.Module):
         soft = ((ramp + self.spans()[:, None, None] - distance) / ramp).clamp(1e-6, 1)
         return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
-    def project(self, q_z, tables: GemmTables | None = None, grouped: bool = False):
+    def project(self, q_z, tables: GemmTables | None = None, as_groups: bool = False):
         """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals (K = 1:
         one serves every group, the shared form). ``tables``: ``gemm_tables()``, once per forward;
-        ``grouped``: as tuples of the K groups (``projections.project``)."""
-        return project(q_z, tables or self.gemm_tables(), grouped)
+        ``as_groups``: as tuples of the K groups (``projections.project``)."""
+        return project(q_z, tables or self.gemm_tables(), as_groups)
 
     def gemm_tables(self, structure: HeadStructure | None = None, kernel: str = "naive") -> GemmTables:
         """The projection tables in the GEMMs' layouts, message weights included; for the fused
@@ -285,10 +285,12 @@ class MeanField(nn.Module):
 
     def label_logits(self, unary, messages, topic_message, tables: GemmTables | None = None):
         """Label logits from the unary potentials, the head messages (None: none yet) and
-        the global message (None: no global variable)."""
+        the global message (None: no global variable). The fused kernel's own back-projection
+        (``label_message``) is used only when it went through these ``tables``."""
         s = self.scales()
         logits = s["unary"] * unary
-        if messages is not None and messages.label_message is not None:  # back-projected by the kernel
+        by_kernel = messages is not None and messages.label_message is not None
+        if by_kernel and tables is not None and messages.label_back is tables.back:
             logits = logits + messages.label_message
         elif messages is not None:  # both directions, every group (or the groups' sum) in one GEMM
             stacked = messages.stacked

@@ -9,9 +9,11 @@ distance group.
 Layout: the projections are stored group-major, ``[K, B, N, C, r]``, and handed out as
 ``[B, N, K, C, r]`` views. A kernel reads one group at a time (a near diagonal, a far
 attention), and one group's rows are then one contiguous block: read token-major, each
-token's C r numbers of a group lie one K C r stride apart, and a pass over a group that
-is not in cache ran about three times slower. The fused kernel writes its messages the same
-way (slot-major, ``[2 K, B, N, C, r]``), and ``back_project`` reads them with one batched GEMM.
+token's C r numbers of a group lie one K C r stride apart, a pass over a group that is not
+in cache reads memory in short strided runs (docs/benchmarks.md, "Group-major projections
+and messages", has the measurements). The fused kernel writes its messages the same way
+(slot-major, ``[2 K, B, N, C, r]``), and ``back_project`` reads them with one batched GEMM.
+``project(..., as_groups=True)`` hands the groups out as separate tensors instead.
 
 ``GemmTables`` holds the tables in the GEMMs' layouts; an unrolled forward makes them once and
 every iteration reuses them (the layout copies, the weights' products and the tables'
@@ -23,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["GemmTables", "project", "back_project"]
 
 
-def _grouped(table: torch.Tensor) -> torch.Tensor:
+def _per_group(table: torch.Tensor) -> torch.Tensor:
     """``[K, C, d, r]`` -> ``[K, d, C r]``: one GEMM's right factor per group."""
     K, C, d, r = table.shape
     return table.permute(0, 2, 1, 3).reshape(K, d, C * r)
@@ -48,7 +51,7 @@ class GemmTables:
         GEMM columns are never computed)."""
         if groups is not None:
             u, v = u[list(groups)], v[list(groups)]
-        query, key = _grouped(u), _grouped(v)
+        query, key = _per_group(u), _per_group(v)
         back = torch.cat([scales["head"] * query.transpose(1, 2), scales["dependents"] * key.transpose(1, 2)])
         return cls(query, key, back, (u.shape[0], u.shape[1], u.shape[3]), groups)
 
@@ -66,48 +69,54 @@ class _GroupProjection(torch.autograd.Function):
         return tuple(rows @ table[k] for k in range(table.shape[0]))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         rows, table = ctx.saved_tensors
-        grad_rows, grad_table = None, None
-        if ctx.needs_input_grad[1]:
-            grad_table = torch.zeros_like(table)
-        for k, grad in enumerate(grads):
-            if grad is None:
-                continue
-            # under autocast the outputs (and so their gradients) are half precision: the
-            # backward runs outside it, in the inputs' own type
-            grad = grad.reshape(rows.shape[0], -1).to(table.dtype)
-            if ctx.needs_input_grad[0]:
-                product = (grad @ table[k].T).to(rows.dtype)
-                grad_rows = product if grad_rows is None else grad_rows.add_(product)
-            if grad_table is not None:
-                torch.mm(rows.T, grad, out=grad_table[k])
-        return grad_rows, grad_table
+        # under autocast the outputs (and so their gradients) are half precision: the backward
+        # computes in the table's type, with autocast off, and returns each input's own type
+        with torch.autocast(rows.device.type, enabled=False):
+            return _group_projection_gradients(rows, table, grads, ctx.needs_input_grad)
 
 
-def project(q_z: torch.Tensor, tables: GemmTables, grouped: bool = False):
+def _group_projection_gradients(rows, table, grads, needs) -> tuple:
+    """``(grad of rows, grad of table)`` from the K outputs' gradients (None: not read)."""
+    grad_rows, grad_table = None, (torch.zeros_like(table) if needs[1] else None)
+    wide_rows = rows.to(table.dtype)
+    for k, grad in enumerate(grads):
+        if grad is None:
+            continue
+        grad = grad.reshape(rows.shape[0], -1).to(table.dtype)
+        if needs[0]:
+            product = grad @ table[k].T
+            grad_rows = product if grad_rows is None else grad_rows.add_(product)
+        if grad_table is not None:
+            torch.mm(wide_rows.T, grad, out=grad_table[k])
+    return (None if grad_rows is None else grad_rows.to(rows.dtype)), grad_table
+
+
+def project(q_z: torch.Tensor, tables: GemmTables, as_groups: bool = False):
     """``(query, key)`` ``[B, N, K, C, r]``, views of group-major ``[K, B, N, C, r]``: one
     batched GEMM per table over the groups. Two GEMMs, not one over ``[U | V]``: their
     gradients arrive separately, and one GEMM would first stack them (a copy of both).
 
-    ``grouped=True``: each as a tuple of its K groups ``[B, N, C, r]`` instead, each group
+    ``as_groups=True``: each as a tuple of its K groups ``[B, N, C, r]`` instead, each group
     its own output (the fused kernel reads them so, ``head_kernels.fused``)."""
     B, N, d = q_z.shape
     K, C, r = tables.shape
-    if grouped:
+    if as_groups:
         rows = q_z.reshape(B * N, d)
         return tuple(
             tuple(group.view(B, N, C, r) for group in _GroupProjection.apply(rows, table))
             for table in (tables.query, tables.key)
         )
 
-    def grouped(table: torch.Tensor) -> torch.Tensor:
+    def batched_gemm(table: torch.Tensor) -> torch.Tensor:
         # bmm of the rows expanded over the groups: matmul's broadcasting backward transposes
         # the whole gradient into a copy first
         rows = q_z.reshape(1, B * N, d).expand(K, B * N, d)
         return torch.bmm(rows, table).view(K, B, N, C, r).permute(1, 2, 0, 3, 4)
 
-    return grouped(tables.query), grouped(tables.key)
+    return batched_gemm(tables.query), batched_gemm(tables.key)
 
 
 def _slot_major(stacked: torch.Tensor) -> bool:

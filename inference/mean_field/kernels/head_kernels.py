@@ -215,12 +215,13 @@ def fused(
     asks for float64 when its parameters allow scores that large (see ``score_bound``).
 
     The messages come back as views of one tensor ``stacked [B, N, 2, K, C, r]`` (forward,
-    reverse), stored slot-major, which the back-projection reads with one batched GEMM.
+    reverse), stored slot-major; without ``back``, ``projections.back_project`` reads it
+    with one batched GEMM.
 
     ``groups``: the projections hold only these groups, in this order (at least
     ``used_groups(structure)``), and so do the messages; None: all of them (or one shared).
     Each projection is a ``[B, N, K, C, r]`` tensor or the tuple of its K groups ``[B, N, C,
-    r]`` (``projections.project(..., grouped=True)``: their gradients then reach the
+    r]`` (``projections.project(..., as_groups=True)``: their gradients then reach the
     projection's GEMMs without being stacked into one tensor first).
 
     ``back``: the back-projection tables ``[2 K, C r, d]`` (``projections.GemmTables.back``);
@@ -234,7 +235,7 @@ def fused(
     if compute_dtype is not None and torch.finfo(compute_dtype).bits > torch.finfo(wide).bits:
         wide = compute_dtype
     bias = None if bias is None else bias.to(wide)
-    back = None if back is None else back.to(wide)
+    label_back, back = back, None if back is None else back.to(wide)
     flash = fused_available(device)  # looked up here: tests patch it
     projections = [_to(t, wide) for t in (query, key, value, value_rev)]
     result = fused_kernel.messages(*projections, scale, structure, messages, bias, flash, groups, back)
@@ -245,7 +246,15 @@ def fused(
     forward, reverse = stacked[:, :, 0], stacked[:, :, 1]
     label_message = None if result.label_message is None else result.label_message.to(dtype)
     return HeadMessages(
-        forward, reverse, lse, query=query, key=key, stacked=stacked, groups=groups, label_message=label_message
+        forward,
+        reverse,
+        lse,
+        query=query,
+        key=key,
+        stacked=stacked,
+        groups=groups,
+        label_message=label_message,
+        label_back=label_back,
     )
 
 

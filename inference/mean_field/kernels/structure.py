@@ -248,5 +248,7 @@ class HeadMessages:
     stacked: torch.Tensor | None = None  # [B, N, 2, K, C, r]: forward and reverse in one tensor (fused)
     groups: tuple[int, ...] | None = None  # the group of each projection slot (None: slot k is group k)
     # [B, N, d]: the messages back-projected to label logits through the tables the kernel was
-    # given (fused, when given them; ``projections.back_project`` of ``stacked`` otherwise)
+    # given (fused, when given them; ``projections.back_project`` of ``stacked`` otherwise),
+    # and those tables (``GemmTables.back``): a caller with other tables must not use it
     label_message: torch.Tensor | None = None
+    label_back: torch.Tensor | None = None

@@ -15,19 +15,26 @@ from tests.builders import shared_crf
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("topology", ["causal", "window(2)", "chain()", "causal | root()"])
-def test_mean_field_projecting_only_the_used_groups_equals_naive(topology):
-    """MeanField with the fused kernel projects onto the groups with arcs alone: its label
-    marginals, head marginals and parameter gradients equal the naive kernel's (all groups)."""
+@pytest.mark.parametrize(
+    "topology, schedule",
+    [("causal", "async"), ("window(2)", "async"), ("chain()", "parallel"), ("causal | root()", "macaron")],
+)
+def test_mean_field_projecting_only_the_used_groups_equals_naive(topology, schedule):
+    """MeanField with the fused kernel projects onto the groups with arcs alone, each group
+    its own GEMM output (``as_groups``), and back-projects its messages itself: its label
+    marginals, head marginals and parameter gradients equal the naive kernel's (all groups,
+    one tensor, ``back_project``), on every unrolled schedule."""
     torch.manual_seed(0)
-    crf = graphs.CRF(vocab_size=11, labels=4, channels=2, rank=3, topology=topology, gamma=3).double()
+    globals_ = 2 if schedule == "macaron" else 0  # macaron alternates global and head updates
+    crf = graphs.CRF(vocab_size=11, labels=4, channels=2, rank=3, topology=topology, gamma=3, global_labels=globals_)
+    crf = crf.double()
     tokens = torch.randint(0, 11, (2, 140))
     mask = torch.ones(2, 140, dtype=torch.bool)
     mask[1, 90:] = False
     results = []
     for kernel in ("fused", "naive"):
         crf.zero_grad()
-        engine = inference.MeanField(crf, iterations=2, kernel=kernel)
+        engine = inference.MeanField(crf, iterations=2, kernel=kernel, schedule=schedule)
         posterior = engine(tokens, mask)
         posterior.logits.square().sum().backward()
         results.append([posterior.z, posterior.h, *(p.grad.clone() for p in crf.parameters() if p.grad is not None)])
@@ -110,10 +117,14 @@ def test_project_and_back_project_equal_their_sums(B, N, K, C, r, d, groups, slo
     scales = {"head": 0.7, "dependents": -1.3}
     tables = projections.GemmTables.of(u, v, scales, kept)
     u_kept, v_kept = (t if kept is None else t[list(kept)] for t in (u, v))
-    query, key = projections.project(q_z, tables, grouped)
-    if grouped:  # each group its own tensor, its own gradient edge
+    query, key = projections.project(q_z, tables, as_groups=grouped)
+    read = torch.arange(u_kept.shape[0]) % 2 == 0  # the loss reads only these groups of query
+    if grouped:  # each group its own tensor, its own gradient edge (unread ones: None)
         assert isinstance(query, tuple) and len(query) == len(key) == u_kept.shape[0]
+        query_read = sum(g.square().sum() for g, used in zip(query, read, strict=True) if used)
         query, key = torch.stack(query, 2), torch.stack(key, 2)
+    else:
+        query_read = query[:, :, read].square().sum()
     torch.testing.assert_close(query, torch.einsum("bia,kcar->bikcr", q_z, u_kept))
     torch.testing.assert_close(key, torch.einsum("bia,kcar->bikcr", q_z, v_kept))
     k_kept = u_kept.shape[0]
@@ -121,15 +132,42 @@ def test_project_and_back_project_equal_their_sums(B, N, K, C, r, d, groups, slo
     stacked = messages.permute(2, 3, 0, 1, 4, 5)  # slot-major storage, as the fused kernel writes
     if not slot_major:
         stacked = stacked.contiguous()
+    assert projections._slot_major(stacked) == (slot_major or B * N == 1)  # the branch under test
     logits = projections.back_project(stacked, tables)
     expected = 0.7 * torch.einsum("bikcr,kcar->bia", stacked[:, :, 0], u_kept)
     expected = expected - 1.3 * torch.einsum("bikcr,kcar->bia", stacked[:, :, 1], v_kept)
     torch.testing.assert_close(logits, expected)
     weights = torch.randn(B, N, d, generator=generator, dtype=torch.float64)
-    loss = (weights * logits).sum() + (query.square().sum() - key.sum())
+    loss = (weights * logits).sum() + (query_read - key.sum())
     oracle = (weights * expected).sum()
-    oracle = oracle + torch.einsum("bia,kcar->bikcr", q_z, u_kept).square().sum()
+    oracle = oracle + torch.einsum("bia,kcar->bikcr", q_z, u_kept)[:, :, read].square().sum()
     oracle = oracle - torch.einsum("bia,kcar->bikcr", q_z, v_kept).sum()
     inputs = (u, v, q_z, messages)
     for got, want in zip(torch.autograd.grad(loss, inputs), torch.autograd.grad(oracle, inputs), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_label_logits_use_the_kernels_back_projection_only_through_its_own_tables():
+    """The fused kernel's ``label_message`` went through the tables it was given: label
+    logits with those tables use it; with other tables (here after a parameter update)
+    they back-project the messages through the tables given, never the stale message."""
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=11, labels=4, channels=2, rank=3, topology="window(3)", gamma=2).double()
+    engine = inference.MeanField(crf, iterations=1, kernel="fused")
+    tokens = torch.randint(0, 11, (2, 30))
+    _, _, structure = engine.structure(tokens, None)
+    N = structure.nodes.shape[1]
+    q_z = torch.rand(2, N, 4, dtype=torch.float64).softmax(-1)
+    unary = torch.zeros(2, N, 4, dtype=torch.float64)
+    tables = engine.gemm_tables(structure, "fused")
+    query, key = engine.project(q_z, tables, as_groups=True)
+    heads = engine.heads(query, key, key, query, structure, "fused", tables=tables)
+    assert heads.label_back is tables.back
+    scale = engine.scales()["unary"]
+    torch.testing.assert_close(engine.label_logits(unary, heads, None, tables), scale * unary + heads.label_message)
+    with torch.no_grad():
+        crf.ternary_u.add_(1.0)
+    other = engine.gemm_tables(structure, "fused")
+    expected = scale * unary + projections.back_project(heads.stacked, other)
+    torch.testing.assert_close(engine.label_logits(unary, heads, None, other), expected)
+    assert not torch.allclose(expected, scale * unary + heads.label_message)

@@ -5,8 +5,8 @@ j <= i - shift, ``"right"``: j >= i + shift -- optionally also within a ``token_
 [n, n]``, with logit ``scale q_i . k_j + key_bias_j``. It returns the attention output and
 the row log-normaliser, both differentiable (the lse too: the reverse messages divide by it).
 
-Layout: every tensor is token-major, ``[B, n, C, r]`` (one group of the projections, a view
-read in place), and so is the output; the CPU flash-attention op reads and
+Layout: every tensor is token-major, ``[B, n, C, r]`` (one group of the projections, read in
+place), and so is the output; the CPU flash-attention op reads and
 writes that layout through strides. The key bias rides in one extra column (queries get a
 column of ones, values a zero column), which the backward reuses to carry the gradient of
 the lse (see ``_BlockedFlash.backward``).

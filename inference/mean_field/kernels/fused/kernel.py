@@ -9,8 +9,9 @@ one group each) and the slices touching virtual nodes. ``messages`` runs the alg
     3. the messages, each part's forward and reverse written into one tensor (``_band_parts``,
        ``_far_parts``, ``_virtual_parts``, then ``message_assembly.assemble``).
 
-Token-major throughout: projections ``[B, N, C, r]`` per group (views of the group-major
-projections, ``projections.project``), row quantities (scores, normalisers) ``[B, n, C]``.
+Token-major throughout: projections ``[B, N, C, r]`` per group (each its own tensor, or a
+view of the group-major projections: ``projections.project``), row quantities (scores,
+normalisers) ``[B, n, C]``.
 """
 
 from __future__ import annotations
@@ -93,11 +94,12 @@ def _split_groups(tensors) -> list[list[torch.Tensor]]:
     zero-filled a full-size gradient per use. Split along the group dimension moved first,
     so that the stacked gradient is group-major, the projections' own layout
     (``projections.project``). Projections given as their groups (a tuple, ``project(...,
-    grouped=True)``) are read as they are: no split, and no stack in the backward."""
+    as_groups=True)``) are read as they are: no split, and no stack in the backward."""
     split = {}
-    return [
-        split.setdefault(id(t), list(t) if isinstance(t, tuple) else list(t.movedim(2, 0).unbind(0))) for t in tensors
-    ]
+    for t in tensors:
+        if id(t) not in split:
+            split[id(t)] = list(t) if isinstance(t, tuple) else list(t.movedim(2, 0).unbind(0))
+    return [split[id(t)] for t in tensors]
 
 
 class _Inputs(NamedTuple):
@@ -133,8 +135,8 @@ def messages(
     """The head messages and row log-normalisers of ``head_kernels.fused`` (its arguments,
     already in the computing type); ``with_messages=False``: the normalisers only; ``back``:
     also the messages' back-projection (``message_assembly.assemble``)."""
-    x = _Inputs(*_split_groups((query, key, value, value_rev)), None, scale, structure, bias, groups)
-    x = x._replace(K=len(x.queries))
+    queries, keys, values, values_rev = _split_groups((query, key, value, value_rev))
+    x = _Inputs(queries, keys, values, values_rev, len(queries), scale, structure, bias, groups)
     sides, spans = _far_masks(structure), _far_spans(structure)
     # 1. scores of every part, per row
     band = _band_scores(x)

@@ -5,9 +5,9 @@ Every message of ``head_kernels.fused`` is a sum of parts ``weight[i] * source[i
 over a range of rows (a band diagonal: the head probability times the value one offset
 away; a far attention: its weight times its output; the virtual nodes' products, unweighted).
 ``assemble`` writes each part once into ``[B, N, S, C, r]`` (S slots: forward and reverse of
-every group; stored slot-major), zeroing only the rows no part covers. With autograd ops the same sum made a
-product tensor per part, padded it to full length (another copy), then stacked the slots (a
-third), and each slice's backward zero-filled a full-size gradient.
+every group; stored slot-major), zeroing only the rows no part covers. With autograd ops
+the same sum made a product tensor per part, padded it to full length (another copy), then
+stacked the slots (a third), and each slice's backward zero-filled a full-size gradient.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["Part", "assemble", "band_scores", "write_product"]
 
@@ -95,6 +96,7 @@ class _Assemble(torch.autograd.Function):
         return out, label.view(B, rows, -1)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad, grad_label):
         out, back, *tensors = ctx.saved_tensors
         needs = ctx.needs_input_grad[4:]

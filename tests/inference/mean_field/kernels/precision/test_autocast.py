@@ -8,6 +8,8 @@ sliver), with scores large enough for log-normalisers near 430, where bfloat16 a
 inside a kernel errs by whole units.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ import graphs
 from inference.mean_field import engine as mean_field
 from inference.mean_field.kernels import flex as flex_kernel
 from inference.mean_field.kernels import head_kernels
+from inference.mean_field.projections import back_project
 from tests.builders import head_kernel_problem as problem
 from tests.oracles import dense_head_messages as dense
 from tests.oracles import relative_errors
@@ -74,3 +77,12 @@ def test_the_engine_under_autocast_matches_float32():
         for a, b in ((cast.forward, plain.forward), (cast.reverse, plain.reverse), (cast.lse, plain.lse)):
             assert a.dtype == torch.float32
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the fused kernel's own back-projection: float32 under autocast, and the messages' one
+    tables = engine.gemm_tables()
+    plain = engine.heads(*projections, *projections[::-1], structure, "fused", tables=tables)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = engine.heads(*projections, *projections[::-1], structure, "fused", tables=tables)
+    expected = back_project(plain.stacked.double(), replace(tables, back=tables.back.double())).float()
+    for message in (plain.label_message, cast.label_message):
+        assert message.dtype == torch.float32
+        torch.testing.assert_close(message, expected, atol=1e-4, rtol=1e-5)
