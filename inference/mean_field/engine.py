@@ -218,18 +218,20 @@ class MeanField(nn.Module):
         soft = ((ramp + self.spans()[:, None, None] - distance) / ramp).clamp(1e-6, 1)
         return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
-    def project(self, q_z, tables: GemmTables | None = None, as_groups: bool = False):
+    def project(self, q_z, tables: GemmTables | None = None):
         """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals (K = 1:
-        one serves every group, the shared form). ``tables``: ``gemm_tables()``, once per forward;
-        ``as_groups``: as tuples of the K groups (``projections.project``)."""
-        return project(q_z, tables or self.gemm_tables(), as_groups)
+        one serves every group, the shared form; the fused kernel's tables: tuples of the K
+        groups, ``projections.project``). ``tables``: ``gemm_tables()``, once per forward."""
+        return project(q_z, tables or self.gemm_tables())
 
     def gemm_tables(self, structure: HeadStructure | None = None, kernel: str = "naive") -> GemmTables:
         """The projection tables in the GEMMs' layouts, message weights included; for the fused
-        kernel on ``structure``, only the groups it reads (a causal topology reads half)."""
+        kernel on ``structure``, only the groups it reads (a causal topology reads half), each
+        projected as its own tensor (``GemmTables.as_groups``)."""
         u, v, _ = self.crf.projection_tables()
         groups = head_kernels.used_groups(structure) if kernel == "fused" and u.shape[0] > 1 else None
-        return GemmTables.of(u, v, self.scales(), None if groups == tuple(range(u.shape[0])) else groups)
+        kept = None if groups == tuple(range(u.shape[0])) else groups
+        return GemmTables.of(u, v, self.scales(), kept, as_groups=kernel == "fused")
 
     def head_bias(self) -> torch.Tensor | None:
         """``[K, C]`` the head-logit bias of each distance group and channel (the shared

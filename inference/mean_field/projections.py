@@ -13,7 +13,8 @@ token's C r numbers of a group lie one K C r stride apart, a pass over a group t
 in cache reads memory in short strided runs (docs/benchmarks.md, "Group-major projections
 and messages", has the measurements). The fused kernel writes its messages the same way
 (slot-major, ``[2 K, B, N, C, r]``), and ``back_project`` reads them with one batched GEMM.
-``project(..., as_groups=True)`` hands the groups out as separate tensors instead.
+Tables made ``as_groups`` (the fused kernel's) have ``project`` hand the groups out as
+separate tensors instead.
 
 ``GemmTables`` holds the tables in the GEMMs' layouts; an unrolled forward makes them once and
 every iteration reuses them (the layout copies, the weights' products and the tables'
@@ -43,17 +44,18 @@ class GemmTables:
     back: torch.Tensor  # [2 K, C r, d]: forward and reverse messages to label logits, weighted
     shape: tuple[int, int, int]  # (K, C, r) of the projections
     groups: tuple[int, ...] | None = None  # the distance groups kept, in order (None: all)
+    as_groups: bool = False  # project hands out each projection as the tuple of its groups
 
     @classmethod
-    def of(cls, u: torch.Tensor, v: torch.Tensor, scales: dict, groups: tuple[int, ...] | None = None) -> GemmTables:
+    def of(cls, u, v, scales: dict, groups: tuple[int, ...] | None = None, as_groups: bool = False) -> GemmTables:
         """From tables ``u, v [K, C, d, r]`` and the message weights ``scales["head"]`` and
         ``scales["dependents"]``; ``groups``: project onto these groups only (the others'
-        GEMM columns are never computed)."""
+        GEMM columns are never computed); ``as_groups``: see ``project``."""
         if groups is not None:
             u, v = u[list(groups)], v[list(groups)]
         query, key = _per_group(u), _per_group(v)
         back = torch.cat([scales["head"] * query.transpose(1, 2), scales["dependents"] * key.transpose(1, 2)])
-        return cls(query, key, back, (u.shape[0], u.shape[1], u.shape[3]), groups)
+        return cls(query, key, back, (u.shape[0], u.shape[1], u.shape[3]), groups, as_groups)
 
 
 class _GroupProjection(torch.autograd.Function):
@@ -94,16 +96,16 @@ def _group_projection_gradients(rows, table, grads, needs) -> tuple:
     return (None if grad_rows is None else grad_rows.to(rows.dtype)), grad_table
 
 
-def project(q_z: torch.Tensor, tables: GemmTables, as_groups: bool = False):
+def project(q_z: torch.Tensor, tables: GemmTables):
     """``(query, key)`` ``[B, N, K, C, r]``, views of group-major ``[K, B, N, C, r]``: one
     batched GEMM per table over the groups. Two GEMMs, not one over ``[U | V]``: their
     gradients arrive separately, and one GEMM would first stack them (a copy of both).
 
-    ``as_groups=True``: each as a tuple of its K groups ``[B, N, C, r]`` instead, each group
-    its own output (the fused kernel reads them so, ``head_kernels.fused``)."""
+    Tables made ``as_groups``: each as a tuple of its K groups ``[B, N, C, r]`` instead, each
+    group its own output (the fused kernel reads them so, ``head_kernels.fused``)."""
     B, N, d = q_z.shape
     K, C, r = tables.shape
-    if as_groups:
+    if tables.as_groups:
         rows = q_z.reshape(B * N, d)
         return tuple(
             tuple(group.view(B, N, C, r) for group in _GroupProjection.apply(rows, table))

@@ -21,7 +21,7 @@ class LayerSteps(NamedTuple):
     """The operations of one mean-field layer, bound to an engine (each documented on
     ``MeanField``): what the schedules and the bound call."""
 
-    project: Callable  # (q_z, tables=None, as_groups=False) -> (query, key)
+    project: Callable  # (q_z, tables=None) -> (query, key)
     heads: Callable  # (query, key, value, value_rev, structure, kernel, previous=None, tables=None) -> HeadMessages
     topic: Callable  # (q_z, mask) -> (global marginals, their message to the labels)
     label_logits: Callable  # (unary, messages, topic_message, tables=None) -> label logits
@@ -90,7 +90,7 @@ def heads_then_labels(schedule: str, global_labels: int, steps: LayerSteps, batc
     updates, then the label logits. async reads the current labels; parallel (Jacobi) reads
     ``lagged``, the last iteration's projections and labels, and returns this one's.
     Returns ``(new label logits, head messages, lagged)``."""
-    query, key = steps.project(q_z, batch.tables, as_groups=batch.kernel == "fused")
+    query, key = steps.project(q_z, batch.tables)
     if schedule == "async":
         source = (query, key, q_z)
     else:  # zero projections and labels give uniform heads and globals at t = 0
@@ -121,7 +121,7 @@ def macaron(steps: LayerSteps, batch: Batch, q_z, heads, topic_late):
     topic_early = steps.topic(q_z, batch.mask)[1]
     late = torch.zeros_like(topic_early) if topic_late is None else topic_late
     q_z = half_step(heads, 0.5 * (topic_early + late))
-    query, key = steps.project(q_z, batch.tables, as_groups=batch.kernel == "fused")
+    query, key = steps.project(q_z, batch.tables)
     heads = steps.heads(query, key, key, query, batch.structure, batch.kernel, heads, batch.tables)
     q_z = half_step(heads, 0.5 * (topic_early + late))
     topic_late = steps.topic(q_z, batch.mask)[1]

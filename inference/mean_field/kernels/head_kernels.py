@@ -221,7 +221,7 @@ def fused(
     ``groups``: the projections hold only these groups, in this order (at least
     ``used_groups(structure)``), and so do the messages; None: all of them (or one shared).
     Each projection is a ``[B, N, K, C, r]`` tensor or the tuple of its K groups ``[B, N, C,
-    r]`` (``projections.project(..., as_groups=True)``: their gradients then reach the
+    r]`` (``projections.project`` with the fused kernel's tables: their gradients then reach the
     projection's GEMMs without being stacked into one tensor first).
 
     ``back``: the back-projection tables ``[2 K, C r, d]`` (``projections.GemmTables.back``);

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 )
 def test_mean_field_projecting_only_the_used_groups_equals_naive(topology, schedule):
     """MeanField with the fused kernel projects onto the groups with arcs alone, each group
-    its own GEMM output (``as_groups``), and back-projects its messages itself: its label
+    its own GEMM output (``GemmTables.as_groups``), and back-projects its messages itself: its label
     marginals, head marginals and parameter gradients equal the naive kernel's (all groups,
     one tensor, ``back_project``), on every unrolled schedule."""
     torch.manual_seed(0)
@@ -115,9 +115,9 @@ def test_project_and_back_project_equal_their_sums(B, N, K, C, r, d, groups, slo
     q_z = torch.randn(B, N, d, generator=generator, dtype=torch.float64, requires_grad=True)
     kept = tuple(range(K))[::2] if groups else None
     scales = {"head": 0.7, "dependents": -1.3}
-    tables = projections.GemmTables.of(u, v, scales, kept)
+    tables = projections.GemmTables.of(u, v, scales, kept, as_groups=grouped)
     u_kept, v_kept = (t if kept is None else t[list(kept)] for t in (u, v))
-    query, key = projections.project(q_z, tables, as_groups=grouped)
+    query, key = projections.project(q_z, tables)
     read = torch.arange(u_kept.shape[0]) % 2 == 0  # the loss reads only these groups of query
     if grouped:  # each group its own tensor, its own gradient edge (unread ones: None)
         assert isinstance(query, tuple) and len(query) == len(key) == u_kept.shape[0]
@@ -160,7 +160,8 @@ def test_label_logits_use_the_kernels_back_projection_only_through_its_own_table
     q_z = torch.rand(2, N, 4, dtype=torch.float64).softmax(-1)
     unary = torch.zeros(2, N, 4, dtype=torch.float64)
     tables = engine.gemm_tables(structure, "fused")
-    query, key = engine.project(q_z, tables, as_groups=True)
+    query, key = engine.project(q_z, tables)
+    assert isinstance(query, tuple)  # the fused kernel's tables hand out the groups
     heads = engine.heads(query, key, key, query, structure, "fused", tables=tables)
     assert heads.label_back is tables.back
     scale = engine.scales()["unary"]

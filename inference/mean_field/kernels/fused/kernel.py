@@ -93,8 +93,8 @@ def _split_groups(tensors) -> list[list[torch.Tensor]]:
     backward stacks the groups' gradients once, where indexing ``x[:, :, k]`` at every use
     zero-filled a full-size gradient per use. Split along the group dimension moved first,
     so that the stacked gradient is group-major, the projections' own layout
-    (``projections.project``). Projections given as their groups (a tuple, ``project(...,
-    as_groups=True)``) are read as they are: no split, and no stack in the backward."""
+    (``projections.project``). Projections given as their groups (a tuple, ``project`` with the
+    fused kernel's tables) are read as they are: no split, and no stack in the backward."""
     split = {}
     for t in tensors:
         if id(t) not in split:
