@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.mean_field.halting import ACT, ConfidenceExit
+from inference.mean_field.kernels.structure import each_group
 
 __all__ = ["LayerSteps", "Batch", "unrolled", "heads_then_labels", "macaron"]
 
@@ -94,7 +95,11 @@ def heads_then_labels(schedule: str, global_labels: int, steps: LayerSteps, batc
     if schedule == "async":
         source = (query, key, q_z)
     else:  # zero projections and labels give uniform heads and globals at t = 0
-        source = lagged or (_zeros_like(query), _zeros_like(key), torch.zeros_like(q_z))
+        source = lagged or (
+            each_group(torch.zeros_like, query),
+            each_group(torch.zeros_like, key),
+            torch.zeros_like(q_z),
+        )
         lagged = (query, key, q_z)
     heads = steps.heads(source[0], source[1], key, query, batch.structure, batch.kernel, heads, batch.tables)
     topic_message = steps.topic(source[2], batch.mask)[1] if global_labels else None
@@ -127,13 +132,6 @@ def macaron(steps: LayerSteps, batch: Batch, q_z, heads, topic_late):
     topic_late = steps.topic(q_z, batch.mask)[1]
     new = steps.label_logits(batch.unary, heads, 0.5 * (topic_early + topic_late), batch.tables) + factor_message
     return new, heads, topic_late
-
-
-def _zeros_like(projection):
-    """Zero projections, as a tensor or as the tuple of its groups (the fused kernel's form)."""
-    if isinstance(projection, tuple):
-        return tuple(torch.zeros_like(group) for group in projection)
-    return torch.zeros_like(projection)
 
 
 def _check_factor_messages(crf, terms) -> None:

@@ -65,7 +65,7 @@ from inference.mean_field.kernels.fused.kernel import used_groups
 from inference.mean_field.kernels.null_softmax import softmax_with_null
 from inference.mean_field.kernels.precision import full_precision
 from inference.mean_field.kernels.shared_heads import shared_heads
-from inference.mean_field.kernels.structure import HeadMessages, HeadStructure
+from inference.mean_field.kernels.structure import HeadMessages, HeadStructure, each_group
 
 __all__ = [
     "HeadStructure",
@@ -180,13 +180,6 @@ def naive(
 # ---- fused ------------------------------------------------------------------------
 
 
-def _to(projection, dtype: torch.dtype):
-    """A projection ``[B, N, K, C, r]``, or the tuple of its groups, in ``dtype``."""
-    if isinstance(projection, tuple):
-        return tuple(group.to(dtype) for group in projection)
-    return projection.to(dtype)
-
-
 def fused_available(device: torch.device) -> bool:
     return flash_available(device)
 
@@ -237,7 +230,7 @@ def fused(
     bias = None if bias is None else bias.to(wide)
     label_back, back = back, None if back is None else back.to(wide)
     flash = fused_available(device)  # looked up here: tests patch it
-    projections = [_to(t, wide) for t in (query, key, value, value_rev)]
+    projections = [each_group(lambda group: group.to(wide), t) for t in (query, key, value, value_rev)]
     result = fused_kernel.messages(*projections, scale, structure, messages, bias, flash, groups, back)
     lse = result.lse.to(dtype)
     if result.stacked is None:

@@ -22,12 +22,18 @@ import torch.nn.functional as F
 
 from graphs.distances import distance_groups
 
-__all__ = ["HeadStructure", "HeadMessages", "segment_span"]
+__all__ = ["HeadStructure", "HeadMessages", "segment_span", "each_group"]
 
 # float copies of non-band token tables (has_head's counts), newest last: key -> (table, copy)
 _FLOAT_TABLES: dict = {}
 _FLOAT_TABLES_KEPT = 8
 _RULE_ROWS = 128  # rows of a token rule evaluated at once (has_head off a band): O(128 n) memory
+
+
+def each_group(fn, projection):
+    """``fn`` of a projection ``[B, N, K, C, r]``, or of each of its groups when it comes as
+    their tuple (``projections.project`` with the fused kernel's tables)."""
+    return tuple(map(fn, projection)) if isinstance(projection, tuple) else fn(projection)
 
 
 def segment_span(lo: int, hi: int, n: int, length: int, before: int = 0, after: int = 0) -> tuple[int, int]:
