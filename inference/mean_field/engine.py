@@ -51,7 +51,7 @@ from inference.mean_field.kernels.head_kernels import HeadStructure
 from inference.mean_field.kernels.null_softmax import softmax_with_null
 from inference.mean_field.message_weights import MessageWeights, MupScales
 from inference.mean_field.options import KERNELS, SCHEDULES, MeanFieldOptions, OptionView
-from inference.mean_field.projections import GemmTables, back_project, project
+from inference.mean_field.projections import GemmTables, at_label_rank, back_project, project
 from inference.mean_field.schedules import Batch, LayerSteps
 from inference.posterior import Posterior
 
@@ -227,8 +227,11 @@ class MeanField(nn.Module):
     def gemm_tables(self, structure: HeadStructure | None = None, kernel: str = "naive") -> GemmTables:
         """The projection tables in the GEMMs' layouts, message weights included; for the fused
         kernel on ``structure``, only the groups it reads (a causal topology reads half), each
-        projected as its own tensor (``GemmTables.as_groups``)."""
+        projected as its own tensor (``GemmTables.as_groups``). A rank above the label count
+        is computed at rank d (``at_label_rank``)."""
         u, v, _ = self.crf.projection_tables()
+        if u.shape[3] > u.shape[2]:
+            u, v = at_label_rank(u, v)
         groups = head_kernels.used_groups(structure) if kernel == "fused" and u.shape[0] > 1 else None
         kept = None if groups == tuple(range(u.shape[0])) else groups
         return GemmTables.of(u, v, self.scales(), kept, as_groups=kernel == "fused")

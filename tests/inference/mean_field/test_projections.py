@@ -94,6 +94,23 @@ def test_shared_projections_equal_the_per_group_form(schedule, topology):
 
 
 @settings(max_examples=25, deadline=None)
+@given(K=st.integers(1, 3), C=st.integers(1, 3), d=st.integers(1, 4), extra=st.integers(1, 4))
+def test_tables_at_label_rank_keep_their_product(K, C, d, extra):
+    """``at_label_rank``: tables of rank r = d + extra -> ``(T, I)`` of rank d with the same
+    ``T = u v^T`` (sums written here), differentiable into u and v."""
+    generator = torch.Generator().manual_seed(K * 100 + C * 10 + d + extra)
+    u, v = (torch.randn(K, C, d, d + extra, generator=generator, dtype=torch.float64) for _ in range(2))
+    table, identity = projections.at_label_rank(u, v)
+    assert table.shape == identity.shape == (K, C, d, d)
+    product = torch.zeros(K, C, d, d, dtype=torch.float64)
+    for rank in range(d + extra):
+        product += u[..., :, rank, None] * v[..., None, :, rank]
+    torch.testing.assert_close(table, product)
+    torch.testing.assert_close(identity, torch.eye(d, dtype=torch.float64).expand(K, C, d, d))
+    torch.testing.assert_close(table @ identity.transpose(-1, -2), product)
+
+
+@settings(max_examples=25, deadline=None)
 @given(
     B=st.integers(1, 3),
     N=st.integers(1, 9),

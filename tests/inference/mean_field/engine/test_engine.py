@@ -57,11 +57,12 @@ def test_sequential_schedule_never_decreases_the_elbo(data):
     assert (post.trace["elbo"].diff(dim=0) >= -1e-10).all()
 
 
-@pytest.mark.parametrize("topology", ["full", "causal", "window(1) | star()", "clusters(2)"])
+@pytest.mark.parametrize("topology", ["full", "causal", "window(1) | star()", "clusters(2)", "segments(2)"])
 @pytest.mark.parametrize("schedule", ["sequential", "async"])
-def test_converged_marginals_satisfy_the_update_equations(topology, schedule):
+@pytest.mark.parametrize("rank", [2, 5])  # 5: above the 3 labels, computed at rank 3
+def test_converged_marginals_satisfy_the_update_equations(topology, schedule, rank):
     torch.manual_seed(3)
-    crf = graphs.CRF(vocab_size=6, labels=3, channels=2, rank=2, global_labels=2, topology=topology).double()
+    crf = graphs.CRF(vocab_size=6, labels=3, channels=2, rank=rank, global_labels=2, topology=topology).double()
     with torch.no_grad():
         for p in crf.parameters():
             p.mul_(0.5)  # a contraction: the fixed point is unique and reached
@@ -181,6 +182,27 @@ def test_reference_weights_reproduce_the_reference_algorithm(n, batch, iteration
         U, V = crf.ternary_u.permute(0, 2, 3, 1), crf.ternary_v.permute(0, 2, 3, 1)
         theirs = reference_logits(crf.unary[tokens], mask, U, V, iterations, d)
     torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kernel", ["naive", "fused"])
+def test_a_rank_above_the_label_count_gives_the_reference_logits_and_gradients(kernel):
+    """d < r: the engine computes with the same tables at rank d (``at_label_rank``); the
+    logits and the gradients of U and V are the reference algorithm's at the declared rank."""
+    torch.manual_seed(5)
+    d, r, h, n = 3, 7, 2, 6
+    crf = graphs.CRF(vocab_size=20, labels=d, channels=h, rank=r, topology="full", gamma=2).double()
+    tokens = torch.randint(0, 20, (2, n))
+    mask = torch.arange(n)[None] < torch.tensor([[n], [4]])
+    weights = torch.randn(2, n, d, dtype=torch.float64)
+    factors = (crf.ternary_u, crf.ternary_v)
+    ours = MeanField(crf, iterations=3, weights="reference", kernel=kernel)(tokens, mask).logits
+    our_grads = torch.autograd.grad((ours * weights)[mask].sum(), factors)
+    U, V = crf.ternary_u.permute(0, 2, 3, 1), crf.ternary_v.permute(0, 2, 3, 1)  # the reference's layout
+    theirs = reference_logits(crf.unary[tokens].detach(), mask, U, V, 3, d)
+    their_grads = torch.autograd.grad((theirs * weights)[mask].sum(), factors)
+    torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-10, rtol=1e-10)
+    for mine, reference in zip(our_grads, their_grads, strict=True):
+        torch.testing.assert_close(mine, reference, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.slow  # ~25 s of Pyro SVI; make test-slow (make test < 10 min)
