@@ -90,7 +90,8 @@ threads = 1
 VOCAB = 12
 SMALL = dict(vocab_size=VOCAB, width=8, heads=2, ffn_width=16, dropout=0.0)
 TINY_CONFIGS = {  # every kind, tiny: the law does not depend on size
-    "probabilistic_transformer": dict(vocab_size=VOCAB, labels=4, channels=2, rank=2, iterations=2),
+    # rank 6 over 4 labels: computed at the label rank (projections.at_label_rank)
+    "probabilistic_transformer": dict(vocab_size=VOCAB, labels=4, channels=2, rank=6, iterations=2),
     "particle_transformer": dict(layers=3, resample_every=1, resampling="copy", **SMALL),
     "transformer": dict(layers=2, **SMALL),
     "swarmformer": dict(layers=2, clusters=2, **SMALL),

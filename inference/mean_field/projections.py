@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from inference.mean_field.kernels.precision import full_precision
+
 __all__ = ["GemmTables", "at_label_rank", "project", "back_project"]
 
 
@@ -39,16 +41,16 @@ def _per_group(table: torch.Tensor) -> torch.Tensor:
     return table.permute(0, 2, 1, 3).reshape(K, d, C * r)
 
 
+@full_precision
 def at_label_rank(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same factors ``T = u v^T`` at rank d when the declared rank r is larger: ``(T, I)``,
     each ``[K, C, d, d]``. The scores ``(q u) . (q' v) = (q T) . q'`` and the messages are the
     same numbers, but every projection, attention and message then carries d numbers per
-    channel instead of r. ``T`` is computed in the tables' own type (autocast off): under
-    autocast it is then rounded once, where the GEMMs read it."""
+    channel instead of r. Under autocast ``T`` is computed in float32 (``full_precision``),
+    then rounded once, where the GEMMs read it."""
     K, C, d, _ = u.shape
     identity = torch.eye(d, dtype=u.dtype, device=u.device).expand(K, C, d, d)
-    with torch.autocast(u.device.type, enabled=False):
-        return torch.einsum("kcar,kcbr->kcab", u, v), identity
+    return torch.einsum("kcar,kcbr->kcab", u, v), identity
 
 
 @dataclass(frozen=True)

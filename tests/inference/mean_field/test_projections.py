@@ -110,6 +110,17 @@ def test_tables_at_label_rank_keep_their_product(K, C, d, extra):
     torch.testing.assert_close(table @ identity.transpose(-1, -2), product)
 
 
+def test_tables_at_label_rank_stay_float32_under_autocast():
+    """Under bfloat16 autocast the table is the float32 product (rounded once, later, where a
+    GEMM reads it), not a product of rounded factors."""
+    generator = torch.Generator().manual_seed(0)
+    u, v = (torch.randn(2, 3, 4, 9, generator=generator) for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        table, _ = projections.at_label_rank(u, v)
+    assert table.dtype == torch.float32
+    torch.testing.assert_close(table, torch.einsum("kcar,kcbr->kcab", u.double(), v.double()).float())
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     B=st.integers(1, 3),
