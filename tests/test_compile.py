@@ -17,8 +17,8 @@ MODELS = {
     "pt (naive kernel)": lambda: ProbabilisticTransformer(
         PTConfig(vocab_size=20, labels=16, channels=2, rank=4, iterations=2, dropout=0.0, kernel="naive")
     ),
-    "pt (fused kernel)": lambda: ProbabilisticTransformer(
-        PTConfig(vocab_size=20, labels=16, channels=2, rank=4, iterations=2, dropout=0.0, kernel="fused")
+    "pt (fused kernel)": lambda: ProbabilisticTransformer(  # rank 32 over 16 labels: at the label rank
+        PTConfig(vocab_size=20, labels=16, channels=2, rank=32, iterations=2, dropout=0.0, kernel="fused")
     ),
     "particle_transformer": lambda: ParticleTransformer(ParticleConfig(vocab_size=20)),
     "transformer": lambda: Transformer(TransformerConfig(vocab_size=20)),
