@@ -219,7 +219,8 @@ class MeanField(nn.Module):
         return F.pad(soft.log(), (0, num_nodes - n, 0, num_nodes - n))
 
     def project(self, q_z, tables: GemmTables | None = None):
-        """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals (K = 1:
+        """Per-group, per-channel projections ``[B, N, K, C, r]`` of the label marginals (r: the
+        rank of ``gemm_tables``, d when it is below the CRF's; K = 1:
         one serves every group, the shared form; the fused kernel's tables: tuples of the K
         groups, ``projections.project``). ``tables``: ``gemm_tables()``, once per forward."""
         return project(q_z, tables or self.gemm_tables())

@@ -5,8 +5,9 @@ distance group.
 ``query = q U``, ``key = q V``, each ``[B, N, K, C, r]`` (K = 1: one shared by every group).
 ``back_project``: the head kernels' messages back to label space, ``forward U^T`` and
 ``reverse V^T`` times their weights, summed over groups and channels. ``at_label_rank``:
-tables of a rank r above the label count d re-factored at rank d (``MeanField`` projects with
-those: the same products, a quarter of the numbers at d = 16, r = 64).
+tables of a rank r above the label count d re-factored at rank d, ``(U V^T, I)`` (``MeanField``
+projects with those: the same ternary tensor, a quarter of the numbers at d = 16, r = 64);
+r below is the rank of the tables given.
 
 Layout: the projections are stored group-major, ``[K, B, N, C, r]``, and handed out as
 ``[B, N, K, C, r]`` views. A kernel reads one group at a time (a near diagonal, a far
@@ -43,10 +44,10 @@ def _per_group(table: torch.Tensor) -> torch.Tensor:
 
 @full_precision
 def at_label_rank(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same factors ``T = u v^T`` at rank d when the declared rank r is larger: ``(T, I)``,
-    each ``[K, C, d, d]``. The scores ``(q u) . (q' v) = (q T) . q'`` and the messages are the
-    same numbers, but every projection, attention and message then carries d numbers per
-    channel instead of r. Under autocast ``T`` is computed in float32 (``full_precision``),
+    """The same ternary tensor ``T = u v^T`` at rank d when the tables' rank r is larger:
+    ``(T, I)``, each ``[K, C, d, d]``. The scores ``(q u) . (q' v) = (q T) . q'`` and the label
+    messages are the same numbers, but every projection, attention and head-space message
+    then carries d numbers per channel instead of r. Under autocast ``T`` is computed in float32 (``full_precision``),
     then rounded once, where the GEMMs read it."""
     K, C, d, _ = u.shape
     identity = torch.eye(d, dtype=u.dtype, device=u.device).expand(K, C, d, d)

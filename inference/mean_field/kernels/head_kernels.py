@@ -1,7 +1,8 @@
 """Messages through the head variables: the attention inside mean field.
 
 Given per-node projections of the label marginals for every distance group k and
-channel c (``query = q_z U``, ``key = q_z V``, both ``[B, N, K, C, r]``), the head
+channel c (``query = q_z U``, ``key = q_z V``, both ``[B, N, K, C, r]``; r the tables'
+rank, d when ``projections.at_label_rank`` re-factored them), the head
 marginals are ``P[c, i, j] = softmax_j(scale * query[i, k(i,j), c] . key[j, k(i,j), c])``
 over the legal heads j of i, and the messages to the labels are
 

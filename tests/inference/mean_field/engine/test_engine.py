@@ -184,27 +184,6 @@ def test_reference_weights_reproduce_the_reference_algorithm(n, batch, iteration
     torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("kernel", ["naive", "fused"])
-def test_a_rank_above_the_label_count_gives_the_reference_logits_and_gradients(kernel):
-    """d < r: the engine computes with the same tables at rank d (``at_label_rank``); the
-    logits and the gradients of U and V are the reference algorithm's at the declared rank."""
-    torch.manual_seed(5)
-    d, r, h, n = 3, 7, 2, 6
-    crf = graphs.CRF(vocab_size=20, labels=d, channels=h, rank=r, topology="full", gamma=2).double()
-    tokens = torch.randint(0, 20, (2, n))
-    mask = torch.arange(n)[None] < torch.tensor([[n], [4]])
-    weights = torch.randn(2, n, d, dtype=torch.float64)
-    factors = (crf.ternary_u, crf.ternary_v)
-    ours = MeanField(crf, iterations=3, weights="reference", kernel=kernel)(tokens, mask).logits
-    our_grads = torch.autograd.grad((ours * weights)[mask].sum(), factors)
-    U, V = crf.ternary_u.permute(0, 2, 3, 1), crf.ternary_v.permute(0, 2, 3, 1)  # the reference's layout
-    theirs = reference_logits(crf.unary[tokens].detach(), mask, U, V, 3, d)
-    their_grads = torch.autograd.grad((theirs * weights)[mask].sum(), factors)
-    torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-10, rtol=1e-10)
-    for mine, reference in zip(our_grads, their_grads, strict=True):
-        torch.testing.assert_close(mine, reference, atol=1e-10, rtol=1e-10)
-
-
 @pytest.mark.slow  # ~25 s of Pyro SVI; make test-slow (make test < 10 min)
 def test_pyro_svi_with_a_mean_field_guide_reaches_the_same_elbo():
     import pyro
