@@ -47,8 +47,8 @@ def at_label_rank(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch
     """The same ternary tensor ``T = u v^T`` at rank d when the tables' rank r is larger:
     ``(T, I)``, each ``[K, C, d, d]``. The scores ``(q u) . (q' v) = (q T) . q'`` and the label
     messages are the same numbers, but every projection, attention and head-space message
-    then carries d numbers per channel instead of r. Under autocast ``T`` is computed in float32 (``full_precision``),
-    then rounded once, where the GEMMs read it."""
+    then carries d numbers per channel instead of r. Under autocast ``T`` is computed in
+    float32 (``full_precision``), then rounded once, where the GEMMs read it."""
     K, C, d, _ = u.shape
     identity = torch.eye(d, dtype=u.dtype, device=u.device).expand(K, C, d, d)
     return torch.einsum("kcar,kcbr->kcab", u, v), identity

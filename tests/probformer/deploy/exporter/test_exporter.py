@@ -88,8 +88,8 @@ def folded(folded=True):
 
 
 KINDS = {
-    # rank 16 over 12 labels: traced at the label rank (projections.at_label_rank); the traced
-    # formats at rank 3 run in docs/export.md's snippets and the slow variants below
+    # rank 16 over 12 labels: traced at the label rank (projections.at_label_rank); traced at a
+    # rank below the labels: docs/export.md's snippets (4 over 16) and the slow variants below
     "probabilistic_transformer": lambda: pt("window(2) | star(wrap=True)", mup=True, rank=16),
     "particle_transformer": particle,
     "transformer": lambda: transformer("post", universal=True),
