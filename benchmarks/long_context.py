@@ -1,11 +1,15 @@
 """Long inputs: what each topology and long-context model costs as n grows.
 
     .venv/bin/python benchmarks/long_context.py --topologies [--n 2048] [--rounds 5]
+    .venv/bin/python benchmarks/long_context.py --topologies --against REV [--pairs 3]
     .venv/bin/python benchmarks/long_context.py --table [--lengths 512,1024,...] [--rounds 3]
 
 ``--topologies``: the fused PT iteration (d = 16, C = 8, r = 64, gamma = 3 so K = 8 groups,
 B = 1, T = 1, forward + backward) on full, causal, window(64) and segments(128), all built in
 this process and timed interleaved, min over rounds; prints each topology's time over full's.
+Its rank 64 above the 16 labels is computed at rank 16 (``projections.at_label_rank``).
+``--against REV``: the same for git revision REV and this checkout, in alternating fresh
+processes (``benchmarks/topologies_against.py``).
 
 ``--table``: for every length, each model's forward + backward time (min over rounds, in this
 process) and peak memory (one fresh process per cell: peak RSS during a step above the RSS
@@ -172,6 +176,8 @@ def main():
     parser.add_argument("--topologies", action="store_true", help="fused PT: each topology's time over full's")
     parser.add_argument("--table", action="store_true", help="time and peak memory of every model as n grows")
     parser.add_argument("--n", type=int, default=2048, help="--topologies: the length")
+    parser.add_argument("--against", metavar="REV", help="--topologies: also git revision REV, alternating processes")
+    parser.add_argument("--pairs", type=int, default=3, help="--against: alternations of the two trees")
     parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384", help="--table: the lengths")
     parser.add_argument("--models", default=",".join(MODELS), help="--table: the models")
     parser.add_argument("--rounds", type=int, default=5)
@@ -183,7 +189,12 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     held = not args.default_malloc and hold_freed_memory()  # in this process; memory peaks run in fresh ones
-    if args.topologies:
+    if args.topologies and args.against:
+        sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+        from benchmarks.topologies_against import against
+
+        result = against(args.against, args.n, args.rounds, args.pairs, args.default_malloc)
+    elif args.topologies:
         result = topologies(args.n, args.rounds)
     elif args.table:
         lengths = [int(x) for x in args.lengths.split(",")]
