@@ -1,8 +1,9 @@
 """The settings of a ``MeanField``: one frozen ``MeanFieldOptions``, checked once, here.
 
 The engine's collaborators (``schedules``, ``bound``, ``kernels.choice``) read these and the
-CRF, never the engine. ``training`` is not a setting: it is module state that changes with
-``train()`` / ``eval()``, so every function that reads it takes it as an argument.
+CRF, never the engine. ``training`` is not a setting: it is module state that changes when the
+module switches between training and evaluation mode, so every function that reads it takes
+it as an argument.
 
 The engine's attributes of the same names (``engine.kernel``, ``engine.iterations``, ...)
 read and write its ``options``: writing one replaces the options with a copy holding the
