@@ -29,7 +29,8 @@ print(best)
 """
 
 
-def _extract(revision: str, here: str, into: str) -> str:
+def extract_revision(revision: str, here: str, into: str) -> str:
+    """Git ``revision`` of the repository at ``here`` extracted into ``into``: its full commit."""
     commit = subprocess.run(["git", "rev-parse", revision], cwd=here, capture_output=True, text=True, check=True)
     archive = subprocess.run(["git", "archive", commit.stdout.strip()], cwd=here, capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
@@ -43,8 +44,8 @@ def against(revision: str, rounds: int, threads: int, shapes=((128, 8), (512, 8)
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as old, tempfile.TemporaryDirectory() as new:
-        commit = _extract(revision, here, old)
-        name = _extract(current, here, new)[:10] if current else "this checkout"
+        commit = extract_revision(revision, here, old)
+        name = extract_revision(current, here, new)[:10] if current else "this checkout"
         new = new if current else here
         results = {"revision": commit, "current": name, "rounds": rounds, "rows": []}
         print(f"fused forward+backward, T = 4, d = 256, C = 8, r = 64: {name} vs {commit[:10]}\n")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.mean_field_against import _extract
+from benchmarks.mean_field_against import extract_revision
 
 # runs one tree's benchmark after checking that its own packages are the ones imported
 _RUN_TREE = """
@@ -43,8 +43,7 @@ def against(revision: str, n: int, rounds: int, pairs: int, default_malloc: bool
     run holds freed memory as the benchmark does unless ``default_malloc``."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as old, tempfile.TemporaryDirectory() as results:
-        commit = _extract(revision, here, old)
-        name = "this checkout"
+        commit = extract_revision(revision, here, old)
         runs = {"old": [], "new": []}
         for pair in range(pairs):
             for tree, root in (("old", old), ("new", here)):
@@ -52,11 +51,11 @@ def against(revision: str, n: int, rounds: int, pairs: int, default_malloc: bool
                 runs[tree].append(_run(root, n, rounds, out, default_malloc))
     topologies = list(runs["new"][0]["over_full"])
     print(f"\nn = {n}, min of {rounds}, {pairs} alternation(s); each topology's time over full's, run by run:\n")
-    print(f"| topology | {commit[:10]} | {name} |")
+    print(f"| topology | {commit[:10]} | this checkout |")
     print("|---|---|---|")
     for t in topologies:
         cells = [", ".join(f"{run['over_full'][t]:.3f}" for run in runs[tree]) for tree in ("old", "new")]
         print(f"| {t} | {cells[0]} | {cells[1]} |")
     seconds = [", ".join(f"{run['seconds']['full']:.3f}" for run in runs[tree]) for tree in ("old", "new")]
     print(f"| full (seconds) | {seconds[0]} | {seconds[1]} |")
-    return {"revision": commit, "current": name, "n": n, "rounds": rounds, "pairs": pairs, "runs": runs}
+    return {"revision": commit, "current": "this checkout", "n": n, "rounds": rounds, "pairs": pairs, "runs": runs}
