@@ -88,15 +88,27 @@ def mean_curve(rows: list[dict], config: str) -> list[float]:
     return [statistics.mean(c[e] for c in curves) for e in range(min(len(c) for c in curves))]
 
 
+def sign_changes(gaps: list[float]) -> list[int]:
+    """The epochs e (1-based) after which the gap's sign flips: the curves cross between e and e + 1."""
+    return [e for e in range(1, len(gaps)) if (gaps[e] > 0) != (gaps[e - 1] > 0)]
+
+
 def crossing(pt: list[float], baseline: list[float]) -> str:
-    """Where PT's mean curve crosses the baseline's, or how the gap moves so far."""
+    """Where PT's curve crosses the baseline's (every crossing, then the gaps since the
+    first), or how the gap moves so far."""
     common = min(len(pt), len(baseline))
     if common == 0:
         return "no common epoch yet"
     gaps = [baseline[e] - pt[e] for e in range(common)]  # > 0: PT lower (better)
-    for epoch in range(1, common):
-        if (gaps[epoch] > 0) != (gaps[0] > 0):
-            return f"the curves cross between epochs {epoch} and {epoch + 1}"
+    flips = sign_changes(gaps)
+    if flips:
+        where = ", then ".join(f"between epochs {e} and {e + 1}" for e in flips)
+        ahead = "PT" if gaps[-1] > 0 else "the baseline"
+        since = ", ".join(f"{g:+.1f}" for g in gaps[flips[0] - 1 :])
+        return (
+            f"the curves cross {where}; {ahead} is ahead at epoch {common}; "
+            f"gap (baseline − PT) from epoch {flips[0]} on: {since}"
+        )
     text = f"no crossing in {common} common epoch(s); gap (baseline − PT) by epoch: " + ", ".join(
         f"{g:+.1f}" for g in gaps
     )
@@ -107,6 +119,19 @@ def crossing(pt: list[float], baseline: list[float]) -> str:
     elif common >= 3:
         text += "; not shrinking over the last two epochs"
     return text
+
+
+def seed_by_seed(rows: list[dict], pt: str, baseline: str) -> str:
+    """Where each seed's PT curve crosses the same seed's baseline curve."""
+    curves = {(r["config"], r["seed"]): r["curve"] for r in rows}
+    parts = []
+    for seed in sorted({r["seed"] for r in rows}):
+        a, b = curves.get((pt, seed), []), curves.get((baseline, seed), [])
+        common = min(len(a), len(b))
+        flips = sign_changes([b[e] - a[e] for e in range(common)])
+        where = ", then ".join(f"{e}-{e + 1}" for e in flips) if flips else f"none in {common} epoch(s)"
+        parts.append(f"s{seed} {where}")
+    return "; ".join(parts)
 
 
 def against_the_paper(pt: list[float], bert: list[float]) -> str:
@@ -182,7 +207,8 @@ def report(arms: list[Arm], seeds: int) -> str:
     for pt in pts:
         for baseline in [arm.name for arm in arms if arm.model != "pt"]:
             gap = crossing(mean_curve(rows, pt), mean_curve(rows, baseline))
-            lines.append(f"- {pt} vs {baseline} (mean over seeds): {gap}.")
+            seeds = seed_by_seed(rows, pt, baseline)
+            lines.append(f"- {pt} vs {baseline} (mean over seeds): {gap}. Crossings seed by seed: {seeds}.")
     tuned = [arm.name for arm in arms if arm.model == "pt" and arm.lr is None] or pts  # the sweep's PT first
     if tuned:
         lines.append(f"- {against_the_paper(mean_curve(rows, tuned[0]), mean_curve(rows, 'bert-small'))}")

@@ -3,6 +3,8 @@ its overrides make a valid run config with early stopping on every epoch, and th
 crossing point is found where the sign of the gap changes."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from benchmarks import convergence
 from benchmarks.convergence_report import crossing, mean_curve
@@ -45,12 +47,32 @@ def test_a_bad_arm_is_refused_naming_the_allowed_forms(bad):
 
 
 def test_the_crossing_is_where_the_gap_changes_sign():
-    assert crossing([100.0, 90.0, 80.0], [200.0, 95.0, 70.0]) == "the curves cross between epochs 2 and 3"
+    # gaps 100, 5, -10: the sign flips after epoch 2
+    assert crossing([100.0, 90.0, 80.0], [200.0, 95.0, 70.0]) == (
+        "the curves cross between epochs 2 and 3; the baseline is ahead at epoch 3; "
+        "gap (baseline − PT) from epoch 2 on: +5.0, -10.0"
+    )
+    # gaps 100, -5, 3, 4: crossed twice, PT ahead again at the end
+    text = crossing([100.0, 90.0, 80.0, 70.0], [200.0, 85.0, 83.0, 74.0])
+    assert text.startswith("the curves cross between epochs 1 and 2, then between epochs 2 and 3; PT is ahead")
+    assert text.endswith("from epoch 1 on: +100.0, -5.0, +3.0, +4.0")
     text = crossing([100.0, 90.0, 80.0, 75.0], [200.0, 150.0, 110.0, 90.0])
     assert text.startswith("no crossing in 4 common epoch(s)")
     # gaps 100, 60, 30, 15: shrinking by (60 - 15) / 2 = 22.5 per epoch, closed in ceil(15 / 22.5) = 1 more
     assert "shrinking by 22.5 per epoch" in text and "near epoch 5" in text
     assert crossing([], [1.0]) == "no common epoch yet"
+
+
+def test_each_seed_crossing_is_read_from_that_seeds_curves_alone():
+    from benchmarks.convergence_report import seed_by_seed
+
+    rows = [
+        {"config": "pt", "seed": 0, "curve": [100.0, 90.0, 80.0]},
+        {"config": "bert", "seed": 0, "curve": [200.0, 95.0, 70.0]},  # gaps 100, 5, -10
+        {"config": "pt", "seed": 1, "curve": [100.0, 90.0]},
+        {"config": "bert", "seed": 1, "curve": [200.0, 95.0, 1.0]},  # seed 1's PT has 2 epochs
+    ]
+    assert seed_by_seed(rows, "pt", "bert") == "s0 2-3; s1 none in 2 epoch(s)"
 
 
 def test_the_mean_curve_stops_at_the_shortest_seed():
@@ -82,3 +104,14 @@ def test_the_section_replaces_only_what_lies_between_its_markers(tmp_path, monke
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nearlier section\n")
     assert text.count(convergence_report.HEADING) == 1 and "second report" in text and "first report" not in text
+
+
+@given(st.lists(st.floats(-1e3, 1e3).filter(lambda g: g != 0.0), min_size=1, max_size=40))
+def test_the_crossings_are_the_sign_flips_and_their_count_gives_the_final_leader(gaps):
+    from benchmarks.convergence_report import sign_changes
+
+    flips = sign_changes(gaps)
+    assert all((gaps[e] < 0) == (gaps[e - 1] > 0) for e in flips)
+    assert all((gaps[e] < 0) == (gaps[e - 1] < 0) for e in range(1, len(gaps)) if e not in flips)
+    # an odd number of crossings, and only then, leaves the other model ahead
+    assert (len(flips) % 2 == 1) == ((gaps[0] > 0) != (gaps[-1] > 0))
