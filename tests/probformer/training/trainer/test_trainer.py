@@ -28,7 +28,10 @@ def cli(*args, env=None, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "probformer", *args], env=environment, **kwargs)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
+    """A longer CLI run killed after its fourth checkpoint; make test covers the same path in
+    tests/probformer/training/test_resume.py (every named crash point, and a CLI kill at a random time)."""
     config = write_config(tmp_path, steps=40)
     full = tmp_path / "full"
     train(config, full, progress=False)
