@@ -22,11 +22,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# The tests run in TEST_WORKERS processes (pytest-xdist), one torch thread each, a whole
+# file per process: a file's module fixtures (the every-kind exports) are built once.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m slow
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m slow
 
 # docs/reliability.md: thousands of generated cases against every public entry point
 reliability: $(STAMP)
