@@ -154,7 +154,8 @@ def _check_weights(weights) -> None:
 
 
 def resample_indices(weights: torch.Tensor, method: str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Ancestor indices ``[B, N]`` for normalised weights ``[B, N]``."""
+    """Ancestor indices ``[B, N]`` for weights ``[B, N]`` (non-negative, each row with a
+    positive sum: a row need not sum to 1)."""
     _check_weights(weights)
     B, N = weights.shape
     device, dtype = weights.device, weights.dtype
@@ -162,6 +163,10 @@ def resample_indices(weights: torch.Tensor, method: str, generator: torch.Genera
         return systematic_ancestors(weights, generator=generator)
     if method == "multinomial":
         return torch.multinomial(weights, N, replacement=True, generator=generator)
+    # residual and stratified read N w_j and cumsum(w) as fractions: each row scaled to sum 1,
+    # first by its largest weight (a sum of huge weights may overflow; the largest is positive)
+    weights = weights / weights.amax(-1, keepdim=True)
+    weights = weights / weights.sum(-1, keepdim=True)
     if method == "residual":
         # floor(N w_j) deterministic copies of j fill the first D = sum_j copies_j slots (the
         # histogram-and-cumsum of the systematic resampler); the other N - D slots are drawn

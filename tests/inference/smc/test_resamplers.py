@@ -30,6 +30,21 @@ def test_offspring_counts_have_expectation_n_w(method):
     assert chi2 < stats.chi2.ppf(0.999, N - 1), chi2
 
 
+@pytest.mark.parametrize("method", RESAMPLERS)
+@given(scale=st.sampled_from([1e-30, 0.1, 3.0, 1e30]), seed=st.integers(0, 10_000))
+def test_every_method_reads_a_row_that_does_not_sum_to_one_as_its_fractions(method, scale, seed):
+    """Weights 1, 1, 2, 4 (times any scale) mean fractions 1/8, 1/8, 1/4, 1/2: mean offspring
+    0.5, 0.5, 1, 2 out of 4, and at least the floor of each (every method but multinomial)."""
+    draws = 2000
+    w = (scale * torch.tensor([1.0, 1.0, 2.0, 4.0], dtype=torch.float64)).expand(draws, 4).contiguous()
+    counts = torch.nn.functional.one_hot(resample_indices(w, method, torch.Generator().manual_seed(seed)), 4).sum(1)
+    mean = counts.double().mean(0)
+    # multinomial count of particle 4 has variance 4 (1/2)(1/2) = 1 per draw: 6 standard errors
+    assert torch.allclose(mean, torch.tensor([0.5, 0.5, 1.0, 2.0], dtype=torch.float64), atol=6 / draws**0.5)
+    if method != "multinomial":
+        assert (counts >= torch.tensor([0, 0, 1, 2])).all()
+
+
 def test_stratified_and_systematic_have_lower_count_variance_than_multinomial():
     N, draws = 20, 3000
     g = torch.Generator().manual_seed(1)
