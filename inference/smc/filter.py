@@ -147,7 +147,7 @@ class SMC:
                 model, data, batch_size, num_steps, init_args, self.num_particles
             )
             self._check_batch(batch_size)
-            return self._run(init, step, num_steps, batch_size)
+            return self._run(init, step, num_steps, batch_size, weighs_init=True)
         if not callable(init) or not callable(step):
             raise TypeError("filter takes (init, step, num_steps) callables or (model, data) for a Pyro model")
         _check_count("num_steps", num_steps, 0, MAX_STEPS)
@@ -163,16 +163,25 @@ class SMC:
                 f"{MAX_PARTICLES_PER_STEP} (2**31) particles per step"
             )
 
-    def _run(self, init: Callable, step: Callable, num_steps: int, batch_size: int) -> SMCResult:
+    def _run(
+        self, init: Callable, step: Callable, num_steps: int, batch_size: int, weighs_init: bool = False
+    ) -> SMCResult:
         """Every step: move (the model's transition, with its incremental weights), weigh,
-        decide (ESS against the threshold), resample."""
+        decide (ESS against the threshold), resample. ``weighs_init``: ``init`` returns
+        ``(particles, log-weights [B, N])`` (a model whose init observes), multiplied into the
+        first step's weights (a run of no step: importance sampling from the init)."""
         N, particles = self.num_particles, init(batch_size)
+        initial = None
+        if weighs_init:
+            particles, initial = particles
         B, device, dtype = _check_init(particles, N)
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
         ancestors = ("record" if self.record_ancestors else "reuse") if resampling else None
         trace = Trace(num_steps, B, N, device, dtype, ancestors)
         systematic = self.relaxation is None and self.resample == "systematic" and resampling
         log_weights = LogWeights(B, N, device, dtype, systematic)
+        if initial is not None:
+            log_weights.start_from(initial, trace)
         always = torch.ones(B, 1, device=device, dtype=dtype) if self.ess_threshold >= 1 else None
         for t in range(num_steps):
             particles, increment = _move(step, t, particles, (B, N))
@@ -224,12 +233,13 @@ class SMC:
 
 def _check_init(particles, num_particles: int) -> tuple[int, torch.device, torch.dtype]:
     """``(B, device, dtype)`` of the particles ``init`` returned (``[B, N, ...]``); the weights'
-    dtype is the particles' if floating point, else the default."""
+    dtype is the particles' if floating point, else the default, and at least float32 (a
+    half-precision weight cannot tell apart the relative weights the filter keeps)."""
     first = _first_tensor(particles, "init")
     if first.shape[1] != num_particles:
         raise ValueError(f"init must return particles [B, N={num_particles}, ...], got {tuple(first.shape)}")
     dtype = first.dtype if first.dtype.is_floating_point else torch.get_default_dtype()
-    return first.shape[0], first.device, dtype
+    return first.shape[0], first.device, torch.promote_types(dtype, torch.float32)
 
 
 def _move(step: Callable, t: int, particles, shape: tuple[int, int]):

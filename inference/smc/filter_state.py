@@ -112,6 +112,7 @@ class Trace:
         # log_norm_t = log N where step t resampled, else log_total_t: the logs and the choice
         # taken after the run, for all steps at once (two operators per step fewer)
         self.totals = []
+        self.initial_total = None  # [B]: log sum exp of the weights the run starts from, if not uniform
         # per step [B, 1], 1.0 where the filter resamples, else 0.0 (a number: the resampler and the
         # next step's weights take it as a factor, with no conversion per step; fresh tensors:
         # autograd saves them, and a write into a view of one [T, B] buffer would bump the version
@@ -145,6 +146,8 @@ class Trace:
         went bad; ``validate``: raise instead) and the log-normaliser of the last step's weights
         (``[B, 1]``, or log N before any step)."""
         T, log_n = self.num_steps, math.log(self.num_particles)
+        if T == 0 and self.initial_total is not None:  # no step: importance sampling from the init
+            return self._initial_evidence(validate)
         first_bad = _first_bad(self.row_maxima, _limits(self.dtype)[0])
         if validate:
             _raise_bad_weights(first_bad, T)
@@ -158,6 +161,15 @@ class Trace:
             log_evidence = self.row_maxima.sum(0) + log_totals.sum(0).squeeze(1) - log_n
             log_evidence = log_evidence - log_norms[:-1].sum(0).squeeze(1)
         return torch.where(first_bad.amin(0) < T, math.nan, log_evidence), normaliser
+
+    def _initial_evidence(self, validate: bool):
+        """``log_evidence`` and normaliser of a run of no step from weights that were not uniform."""
+        total = self.initial_total.to(self.dtype)
+        bad = ~total.isfinite()  # NaN, +inf, or every weight 0
+        if validate and bad.any():
+            filters = bad.nonzero().flatten().tolist()
+            raise ValueError(f"the log-weights init returned are NaN, +inf or all -inf, in filters {filters}")
+        return torch.where(bad, math.nan, total - math.log(self.num_particles)), total[:, None]
 
 
 class LogWeights:
@@ -186,6 +198,20 @@ class LogWeights:
         self.resampler = None
         if self.systematic:
             self.resampler = SystematicResampler(*self.shape, self.device, dtype, self.buffer, row_sums=True)
+
+    def start_from(self, log_weights: torch.Tensor, trace: Trace) -> None:
+        """Start from ``log_weights`` ``[B, N]`` (a model's init that observed), not from 0: the
+        first step multiplies its increment into them."""
+        if log_weights.shape != self.shape:
+            found = tuple(log_weights.shape)
+            raise ValueError(f"init's log-weights must have shape [B, N] = {self.shape}, got {found}")
+        dtype = torch.promote_types(self.dtype, log_weights.dtype)
+        if dtype != self.dtype:
+            self.retype(dtype)
+            trace.retype(dtype)
+        self.log_weights = log_weights.to(dtype, copy=True)  # the first step may add into it in place
+        if trace.num_steps == 0:  # the evidence of a run of no step is theirs alone
+            trace.initial_total = torch.logsumexp(self.log_weights, -1)
 
     def weigh(self, increment: torch.Tensor, trace: Trace, t: int) -> Weighed:
         """Multiply in step ``t``'s incremental weights ``[B, N]``: the new log-weights (the

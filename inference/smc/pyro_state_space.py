@@ -4,7 +4,8 @@ The model is an object with ``init(state, *init_args)`` and ``step(state[, y])``
 its latent state into the dict ``state`` with ``pyro.sample`` (``pyro.infer.SMCFilter``'s
 interface). Each call runs under ``poutine.trace`` inside a plate of the B x N particles of
 all filters, so latent sites are drawn from their prior (the bootstrap proposal), and the
-log-densities of the observed sites are the incremental log-weights.
+log-densities of the observed sites (``obs=`` and ``pyro.factor``) are the incremental
+log-weights: ``init``'s are the weights the particles start from.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def _observations(data, batch_size):
 
 
 def state_space_callables(model, data, batch_size, num_steps, init_args, num_particles):
-    """``(init, step, T, B)`` for ``SMC._run``: ``init(B)`` and ``step(t, particles)`` over
-    particles ``{site: [B, N, ...]}``. Without data, ``num_steps`` and ``batch_size`` say
-    how long and how many (``model.step(state)`` then takes no observation)."""
+    """``(init, step, T, B)`` for ``SMC._run``: ``init(B) -> (particles, log-weights [B, N])``
+    and ``step(t, particles)`` over particles ``{site: [B, N, ...]}``. Without data,
+    ``num_steps`` and ``batch_size`` say how long and how many (``model.step(state)`` then
+    takes no observation)."""
     if data is None:
         if num_steps is None or batch_size is None:
             raise ValueError("without data, give num_steps and batch_size")
@@ -71,8 +73,8 @@ def state_space_callables(model, data, batch_size, num_steps, init_args, num_par
 
     def init(_):
         state = {}
-        run(model.init, state, *init_args)
-        return flatten(state)
+        increment = run(model.init, state, *init_args)
+        return flatten(state), increment
 
     def step(t, particles):
         state = unflatten(particles)

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from inference import SMC
 from inference.smc.filter import RESAMPLERS
@@ -391,3 +393,22 @@ def test_evidence_gradient_equals_its_finite_difference_beside_a_bad_filter(rela
         difference = (evidence(theta + eps) - evidence(theta - eps)) / (2 * eps)
     assert torch.isfinite(theta.grad)
     torch.testing.assert_close(theta.grad, difference, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@given(log_weight=st.floats(-12.0, -0.5), n=st.integers(2, 200))
+def test_half_precision_particles_keep_their_weights_in_float32(dtype, log_weight, n):
+    """One particle at weight 1, the others at exp(log_weight): evidence and ESS written here.
+    float16 weights would flush relative weights under about e^-4.85 to 0."""
+    increment = torch.full((1, n), log_weight)
+    increment[0, 0] = 0.0
+    weights = increment.double().exp()
+    exact_log_z = (weights.sum() / n).log().item()
+    exact_ess = (weights.sum() ** 2 / weights.square().sum()).item()
+    result = SMC(num_particles=n, ess_threshold=0.0).filter(
+        lambda B: torch.zeros(B, n, 1, dtype=dtype), lambda t, x: (x, increment.to(dtype)), num_steps=1
+    )
+    assert result.log_weights.dtype == torch.float32 and result.log_evidence.dtype == torch.float32
+    tolerance = 1e-2 * abs(log_weight)  # the increments themselves are rounded to the half type
+    assert abs(result.log_evidence.item() - exact_log_z) < tolerance
+    assert result.ess[0, 0].item() == pytest.approx(exact_ess, rel=5e-2)

@@ -8,6 +8,8 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inference import SMC
 from tests.builders import lgssm
@@ -149,3 +151,60 @@ def test_a_pyro_model_that_writes_no_state_or_a_number_is_refused_by_name():
         SMC(4).filter(Empty(), torch.zeros(3))
     with pytest.raises(TypeError, match=r"model state\['x'\] must be a tensor, got float"):
         SMC(4).filter(Number(), torch.zeros(3))
+
+
+# ---- what init observes weighs the particles it draws -----------------------------------
+
+
+class InitObserves:
+    """z ~ Categorical(prior) in init, which also observes x0 ~ N(means[z], 1) and adds the
+    factor log_factor[z]; every step observes y ~ N(means[z], 1) and leaves z as it is."""
+
+    def __init__(self, prior, means, log_factor, x0):
+        self.prior, self.means, self.log_factor, self.x0 = prior, means, log_factor, x0
+
+    def init(self, state):
+        z = pyro.sample("z", dist.Categorical(self.prior))
+        pyro.sample("x0", dist.Normal(self.means[z], 1.0), obs=self.x0)
+        pyro.factor("preference", self.log_factor[z])
+        state["z"] = z.to(torch.float64)
+
+    def step(self, state, y=None):
+        mean = self.means[state["z"].long()]
+        pyro.sample("y", dist.Normal(mean, 1.0), obs=y)
+
+
+@given(st.integers(0, 3), st.integers(0, 1000), st.lists(st.floats(-3, 3), min_size=3, max_size=3))
+@settings(max_examples=12, deadline=None)
+def test_what_init_observes_and_its_factors_weigh_the_particles(steps, seed, log_factor):
+    """Evidence and posterior against the sum over z written here: p(z) exp(f(z)) N(x0; m_z)
+    prod_t N(y_t; m_z). Pyro's SMCFilter counts init's observations the same way."""
+    g = torch.Generator().manual_seed(seed)
+    prior = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    means = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64)
+    factor = torch.tensor(log_factor, dtype=torch.float64)
+    x0, ys = torch.randn((), generator=g, dtype=torch.float64), torch.randn(steps, generator=g, dtype=torch.float64)
+    observed = torch.cat([x0[None], ys])
+    joint = [
+        math.log(prior[z]) + factor[z].item() + dist.Normal(means[z], 1.0).log_prob(observed).sum().item()
+        for z in range(3)
+    ]
+    exact_log_z = torch.logsumexp(torch.tensor(joint, dtype=torch.float64), 0).item()
+    exact_posterior = torch.tensor(joint, dtype=torch.float64).softmax(0)
+
+    pyro.set_rng_seed(seed)
+    smc = SMC(num_particles=40_000, ess_threshold=0.0)  # no resampling: plain importance sampling from the prior
+    result = smc.filter(InitObserves(prior, means, factor, x0), ys)
+    assert result.log_evidence.shape == (1,) and result.ess.shape == (steps, 1)
+    assert abs(result.log_evidence.item() - exact_log_z) < 0.05
+    weights, z = result.log_weights[0].exp(), result.particles["z"][0].long()
+    posterior = torch.stack([weights[z == k].sum() for k in range(3)])
+    assert torch.allclose(posterior, exact_posterior, atol=0.02)
+
+
+def test_a_run_of_no_step_whose_init_gave_zero_weight_everywhere_is_refused():
+    model = InitObserves(torch.tensor([1.0, 0.0, 0.0]), torch.zeros(3), torch.full((3,), -math.inf), torch.tensor(0.0))
+    with pytest.raises(ValueError, match="init returned are NaN, \\+inf or all -inf, in filters \\[0\\]"):
+        SMC(num_particles=8, ess_threshold=0.0).filter(model, num_steps=0, batch_size=1)
+    unvalidated = SMC(num_particles=8, ess_threshold=0.0, validate=False).filter(model, num_steps=0, batch_size=1)
+    assert unvalidated.log_evidence.isnan().all()
