@@ -159,15 +159,16 @@ class TaskHead(nn.Module):
     """mlm: a linear decoder to the vocabulary at every token (untied, with bias, as the
     PT reference); tagging: a linear layer to ``num_classes`` at every token;
     classification: ``num_classes`` logits per sentence from the mean over real tokens
-    ("mean") or from the ROOT node, the first virtual node ("root")."""
+    ("mean") or from the ROOT node ("root"; ``root``: its index among the virtual nodes,
+    which follow the n tokens)."""
 
-    def __init__(self, task: str, width: int, num_outputs: int, pooling: str = "mean"):
+    def __init__(self, task: str, width: int, num_outputs: int, pooling: str = "mean", root: int = 0):
         super().__init__()
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; allowed: {list(TASKS)}")
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling {pooling!r}; allowed: {list(POOLINGS)}")
-        self.task, self.pooling = task, pooling
+        self.task, self.pooling, self.root = task, pooling, root
         self.decoder = nn.Linear(width, num_outputs)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -175,7 +176,7 @@ class TaskHead(nn.Module):
         if self.task != "classification":
             return self.decoder(hidden[:, :n])  # [B, n, outputs]
         if self.pooling == "root":
-            return self.decoder(hidden[:, n])  # the first virtual node
+            return self.decoder(hidden[:, n + self.root])
         weights = mask[..., None].to(hidden.dtype)
         pooled = (hidden[:, :n] * weights).sum(1) / weights.sum(1).clamp(min=1)
         return self.decoder(pooled)  # [B, outputs]

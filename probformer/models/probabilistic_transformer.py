@@ -128,7 +128,7 @@ class PTConfig(ConfigMixin):
             raise ValueError(f"config key 'pooling' must be one of {list(POOLINGS)}, got {self.pooling!r}")
         if self.task != "mlm" and self.num_classes < 1:
             raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
-        if self.pooling == "root" and "root()" not in graphs.topology.parse(self.topology).name:
+        if self.pooling == "root" and "root" not in graphs.topology.parse(self.topology).virtual:
             raise ValueError("config key 'pooling'='root' needs a ROOT node: add '| root()' to 'topology'")
 
 
@@ -183,7 +183,8 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
             **{key: getattr(config, key) for key in ENGINE_KEYS},
         )
         outputs = config.vocab_size if config.task == "mlm" else config.num_classes
-        self.head = TaskHead(config.task, config.labels, outputs, config.pooling)
+        root = self.crf.topology.virtual.index("root") if config.pooling == "root" else 0
+        self.head = TaskHead(config.task, config.labels, outputs, config.pooling, root)
         mup.initialise(self)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):

@@ -62,6 +62,31 @@ def test_classification_by_root_reads_the_root_node():
     torch.testing.assert_close(out, model.head.decoder(posterior.logits[:, 5]))
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 1000), st.sampled_from(["star()", "clusters(2)", "star() | clusters(2)"]))
+def test_classification_by_root_reads_root_wherever_the_topology_lists_it(n, seed, others):
+    """The same graph with ROOT first or last among the virtual nodes (the same weights): the
+    ROOT's marginals, so the class logits, do not depend on the order; the other virtual
+    nodes' do differ from ROOT's, so reading one of them instead would show."""
+    torch.manual_seed(seed)
+    first, last = (
+        pf.ProbabilisticTransformer(small(task="classification", num_classes=3, pooling="root", topology=topology))
+        .double()
+        .eval()
+        for topology in (f"root() | {others}", f"{others} | root()")
+    )
+    last.load_state_dict(first.state_dict())
+    tokens = torch.randint(0, 30, (2, n))
+    with torch.no_grad():
+        out_first, posterior = first(tokens)
+        out_last, _ = last(tokens)
+        virtual = len(first.crf.topology.virtual)
+        others_read = [first.head.decoder(posterior.logits[:, n + k]) for k in range(1, virtual)]
+    assert first.crf.topology.virtual[0] == "root" and last.crf.topology.virtual[-1] == "root"
+    torch.testing.assert_close(out_last, out_first, atol=1e-10, rtol=1e-10)
+    assert all((out_first - other).abs().max() > 1e-6 for other in others_read)
+
+
 @pytest.mark.parametrize(
     "values,match",
     [
