@@ -88,6 +88,12 @@ def inference_gap(
         raise TypeError(
             f"model must be a Probabilistic Transformer (a model with .crf and .mean_field), got {type(model).__name__}"
         )
+    if getattr(engine, "span", None) is not None:
+        # its ELBO bounds log Z of the CRF times the span's prior on heads; tempered SMC targets the CRF
+        raise ValueError(
+            "model has an adaptive span (span=True): its mean field approximates the CRF times the span's "
+            "prior on heads, not the CRF whose log Z tempered SMC estimates; use a model with span=False"
+        )
     tokens, mask = crf.check_inputs(tokens, mask)
     was_training = model.training
     model.eval()  # no dropout: the q the model predicts with

@@ -84,6 +84,13 @@ def test_a_model_without_a_crf_is_refused():
         pf.diagnostics.inference_gap(torch.nn.Linear(2, 2), torch.tensor([[1, 2]]))
 
 
+def test_a_model_with_an_adaptive_span_is_refused_by_name():
+    """Its ELBO bounds log Z of the CRF times the span's prior, not of the CRF: a KL from the
+    two would mix two models."""
+    with pytest.raises(ValueError, match="span=True"):
+        pf.diagnostics.inference_gap(small_pt(span=True, span_max=2, span_ramp=1), torch.tensor([[1, 2, 3]]))
+
+
 def test_log_z_matches_across_padding():
     model = small_pt(seed=1)
     alone = pf.diagnostics.inference_gap(model, torch.tensor([[3, 4, 5]]), particles=32, replicates=8)
