@@ -116,10 +116,13 @@ def attachment_scores(model, vocabulary, sentences: list[data.TreebankSentence],
             gold[row, : len(s.words)] = torch.tensor(s.heads)
         mask = gold >= 0
         heads = model(tokens, mask)[1].h  # [B, C, N, N]
-        choice = heads[:, :, :n, :].argmax(-1)  # [B, C, n], node index
+        rows = heads[:, :, :n, :]
+        choice = rows.argmax(-1)  # [B, C, n], node index
         # node j < n is word j + 1; node n + root_offset is ROOT; any other virtual node (a relay,
-        # a cluster) is no word of the tree, so it never counts as a hit (-2)
+        # a cluster) is no word of the tree, and a word with no legal head (a row of zeros, whose
+        # argmax is node 0) has no prediction: neither ever counts as a hit (-2)
         predicted = torch.where(choice < n, choice + 1, torch.where(choice == n + root_offset, 0, -2))
+        predicted = torch.where(rows.amax(-1) > 0, predicted, -2)
         hits = (predicted == gold[:, None]) & mask[:, None]
         correct += hits.sum((0, 2)).float()
         position = torch.arange(1, n + 1)

@@ -93,3 +93,27 @@ def test_attachment_scores_count_only_the_root_node_as_root(tiny_ewt):
     words = sum(len(tree.heads) for tree in trees)
     scores = attachment_scores(VirtualHeads(), vocabulary, trees)
     assert roots > 0 and scores["per_channel"] == pytest.approx([0.0, roots / words])
+
+
+def test_a_word_with_no_legal_head_is_never_credited_with_one():
+    """Channel 0's head rows are all zero (no legal head: argmax would read node 0, word 1);
+    channel 1 gives words 2 and 4 the head word 1 and leaves words 1 and 3 without one. Gold:
+    words 2, 3 and 4 depend on word 1 (4 words): 0 and 2 / 4."""
+    from probformer.training import data
+
+    class NoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mean_field = True
+            self.crf = type("C", (), {"channels": 2, "topology": type("T", (), {"virtual": ()})()})()
+
+        def forward(self, tokens, mask):
+            B, n = tokens.shape
+            heads = torch.zeros(B, 2, n, n)
+            heads[:, 1, [1, 3], 0] = 1.0
+            return None, type("P", (), {"h": heads})()
+
+    words = ["a", "b", "c", "d"]
+    tree = data.TreebankSentence(words=words, upos=["X"] * 4, heads=[0, 1, 1, 1])
+    scores = attachment_scores(NoHeads(), data.Vocabulary.build([words]), [tree])
+    assert scores["per_channel"] == pytest.approx([0.0, 0.5])
