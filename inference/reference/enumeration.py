@@ -37,6 +37,15 @@ def _traces(function, args, kwargs, max_configurations: int):
             )
     if not sites:
         raise ValueError("the model has no sample or factor sites: nothing to sum")
+    for site in sites:  # Pyro's packed log_prob would scale; the sum below reads the unscaled one
+        scale = torch.as_tensor(site["scale"])
+        if scale.ne(1).any():
+            shown = scale.item() if scale.numel() == 1 else f"a tensor {tuple(scale.shape)}"
+            raise ValueError(
+                f"site {site['name']!r} is scaled by {shown} (poutine.scale, or a subsampled plate): Exact sums "
+                "the model's own terms, unscaled; write a tempered term as pyro.factor(name, scale * log_prob), "
+                "and give a plate its whole data"
+            )
     common = set.intersection(*(_plates(s) for s in sites))
     outer = [f for f in sites[0]["cond_indep_stack"] if f.name in common]  # outermost first
     batch = model_trace.plate_to_symbol[outer[0].name] if outer else None

@@ -11,6 +11,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from hypothesis import given, settings
+from pyro import poutine
 
 import graphs
 import inference
@@ -293,3 +294,31 @@ def test_exact_refuses_what_it_cannot_enumerate():
     hmm, data, _ = hmm_case(T=3)
     with pytest.raises(ValueError, match=r"site 'x_1' enumerates to 9 .* above max_configurations=4"):
         inference.Exact(hmm, max_configurations=4).log_partition(data)
+
+
+@pytest.mark.parametrize("scaled", ["poutine.scale", "tensor scale", "subsampled plate"])
+def test_exact_refuses_a_scaled_site_by_name_where_it_would_sum_it_unscaled(scaled):
+    """A scale (a tempered likelihood, or a subsampled plate's size / subsample) would be read
+    unscaled by the sum and scaled by Pyro's marginals: refused, with the way to write it."""
+    data = torch.tensor([0.5, 1.5, 2.5, 1.0])
+
+    def model():
+        z = pyro.sample("z", dist.Bernoulli(0.5))
+        if scaled == "subsampled plate":
+            with pyro.plate("data", 4, subsample=torch.tensor([0, 1])):
+                pyro.sample("y", dist.Normal(z, 1.0), obs=data[:2])
+        else:
+            with poutine.scale(scale=3.0 if scaled == "poutine.scale" else torch.tensor([3.0])):
+                pyro.sample("y", dist.Normal(z, 1.0), obs=data[0])
+
+    for ask in (lambda e: e.log_partition(), lambda e: e.marginals()):
+        with pytest.raises(ValueError, match=r"site 'y' is scaled by .*pyro.factor\(name, scale \* log_prob\)"):
+            ask(inference.Exact(model))
+
+    def tempered():  # what the message says to write: the tempered model, summed by hand below
+        z = pyro.sample("z", dist.Bernoulli(0.5))
+        pyro.factor("y", 3.0 * dist.Normal(z, 1.0).log_prob(data[0]))
+
+    terms = [3.0 * dist.Normal(float(z), 1.0).log_prob(data[0]).item() for z in (0, 1)]
+    expected = math.log(0.5 * math.exp(terms[0]) + 0.5 * math.exp(terms[1]))
+    assert inference.Exact(tempered).log_partition().item() == pytest.approx(expected, abs=1e-6)
