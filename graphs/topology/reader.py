@@ -107,15 +107,16 @@ def arcs_of_mask(mask) -> tuple[list, int]:
 
 
 def arcs_of_graph(graph) -> tuple[list, int]:
-    """``(arcs, n_max)`` of a ``networkx.DiGraph`` on the positions ``0..n_max-1`` (an edge
-    i -> j: i may choose j as head)."""
+    """``(arcs, n_max)`` of a ``networkx.DiGraph`` (or ``MultiDiGraph``) on the positions
+    ``0..n_max-1`` (an edge i -> j: i may choose j as head)."""
     if not (hasattr(graph, "nodes") and hasattr(graph, "edges") and getattr(graph, "is_directed", lambda: False)()):
         raise ValueError(f"a topology graph must be a networkx.DiGraph, got {type(graph).__name__}")
     nodes = list(graph.nodes)
     if not nodes or sorted(nodes, key=repr) != sorted(range(len(nodes)), key=repr):
         shown = sorted(nodes, key=repr)[:8]
         raise ValueError(f"a topology graph's nodes must be the positions 0..n_max-1 (integers), got {shown}")
-    return [list(edge) for edge in graph.edges], len(nodes)
+    # edges(): (i, j) pairs in a MultiDiGraph too (its edge view yields keys); a repeated edge is one arc
+    return [[i, j] for i, j in graph.edges()], len(nodes)
 
 
 def arc_table(arcs: list, n_max: int) -> tuple[str, Callable[[int], torch.Tensor], dict]:

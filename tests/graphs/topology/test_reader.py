@@ -57,15 +57,19 @@ def mask_of(arcs, n):
     return torch.tensor([[(i, j) in arcs for j in range(n)] for i in range(n)], dtype=torch.bool)
 
 
-@given(data=arc_sets(), length=st.integers(1, 7))
-def test_a_graph_a_mask_and_their_data_give_the_written_arcs(data, length):
+@given(data=arc_sets(), length=st.integers(1, 7), repeats=st.integers(1, 3))
+def test_a_graph_a_mask_and_their_data_give_the_written_arcs(data, length, repeats):
+    """A MultiDiGraph holding each edge ``repeats`` times gives the same arcs: an arc is
+    there or not."""
     n_max, arcs = data
-    graph = nx.DiGraph()
-    graph.add_nodes_from(range(n_max))
+    graph, multigraph = nx.DiGraph(), nx.MultiDiGraph()
+    for g in (graph, multigraph):
+        g.add_nodes_from(range(n_max))
     graph.add_edges_from(arcs)
+    multigraph.add_edges_from(list(arcs) * repeats)
     from_graph, from_mask = topology.parse(graph), topology.parse(mask_of(arcs, n_max))
     restored = topology.Topology.from_data(json.loads(json.dumps(from_graph.to_data())))
-    for made in (from_graph, from_mask, restored):
+    for made in (from_graph, topology.parse(multigraph), from_mask, restored):
         if length <= n_max:  # a sentence of length n uses the subgraph on 0..n-1
             assert torch.equal(made.mask(length), mask_of(arcs, length))
         else:
