@@ -152,8 +152,9 @@ def least_bytes(model: nn.Module) -> int:
 
 
 def check_declared(model: nn.Module) -> None:
-    """A saved model is rebuilt from its config, so it must be what its config declares:
-    a PT topology swapped in after construction would be lost, so it is refused."""
+    """A saved model is rebuilt from its config, so it must be what its config declares: a
+    PT topology swapped in, or an engine setting changed (``model.mean_field.iterations``, or
+    ``model.config.iterations``) after construction would be lost, so it is refused."""
     if registry.kind_of(model) == "probabilistic_transformer":
         from graphs.topology import parse
 
@@ -162,6 +163,12 @@ def check_declared(model: nn.Module) -> None:
             raise ValueError(
                 f"topology {found!r} is not the config's ({declared!r}): a saved model stores the config, "
                 "so build the model with the topology in PTConfig(topology=...)"
+            )
+        changed = model.undeclared_engine_settings()
+        if changed:
+            raise ValueError(
+                f"the model's mean-field engine is not what its config declares: {', '.join(changed)}; a saved "
+                "model stores the config, so build the model from a PTConfig with these settings"
             )
 
 

@@ -12,6 +12,7 @@ logits. ``mup=True`` switches to μP's scalings relative to ``mup_base_width``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 import graphs
 import inference
 from graphs.device_checks import refuse_non_finite_parameters
+from inference.mean_field.options import MeanFieldOptions
 from probformer.models import mup_parametrization as mup
 from probformer.models.blocks import POOLINGS, TASKS, TaskHead, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
@@ -165,6 +167,17 @@ ENGINE_KEYS = ("iterations", "schedule", "mup", "kernel", "dropout", "halting", 
 ENGINE_KEYS += ("exit_threshold", "span", "span_max", "span_ramp", "memory_topk")
 
 
+def engine_arguments(config: PTConfig) -> dict:
+    """The ``inference.MeanField`` arguments ``config`` declares."""
+    # under μP the information weights are hyper-parameters of the base width, held fixed
+    weights_width = mup.base_width(config) if config.mup else config.labels
+    return {
+        "weights": inference.MessageWeights.parse(config.weights, weights_width),
+        "mup_scales": mup.engine_scales(config) if config.mup else None,
+        **{key: getattr(config, key) for key in ENGINE_KEYS},
+    }
+
+
 class ProbabilisticTransformer(nn.Module, PretrainedMixin):
     def __init__(self, config: PTConfig):
         super().__init__()
@@ -174,18 +187,23 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
         if config.pairwise:
             factors.append(graphs.factors.Pairwise(config.labels, config.pairwise, config.pairwise_gamma))
         self.crf = graphs.CRF(**{key: getattr(config, key) for key in CRF_KEYS}, factors=factors)
-        # under μP the information weights are hyper-parameters of the base width, held fixed
-        weights_width = mup.base_width(config) if config.mup else config.labels
-        self.mean_field = inference.MeanField(
-            self.crf,
-            weights=inference.MessageWeights.parse(config.weights, weights_width),
-            mup_scales=mup.engine_scales(config) if config.mup else None,
-            **{key: getattr(config, key) for key in ENGINE_KEYS},
-        )
+        self.mean_field = inference.MeanField(self.crf, **engine_arguments(config))
         outputs = config.vocab_size if config.task == "mlm" else config.num_classes
         root = self.crf.topology.virtual.index("root") if config.pooling == "root" else 0
         self.head = TaskHead(config.task, config.labels, outputs, config.pooling, root)
         mup.initialise(self)
+
+    def undeclared_engine_settings(self) -> list[str]:
+        """The engine settings that differ from what ``self.config`` declares (changed after
+        construction, on the engine or the config), as "name=value (the config's: value)": a
+        saved model is rebuilt from its config. The kernel is left out: kernels compute the
+        same answers, and each machine may pick its own."""
+        declared, actual = MeanFieldOptions.parse(self.crf, **engine_arguments(self.config)), self.mean_field.options
+        return [
+            f"{field.name}={getattr(actual, field.name)!r} (the config's: {getattr(declared, field.name)!r})"
+            for field in dataclasses.fields(actual)
+            if field.name != "kernel" and getattr(actual, field.name) != getattr(declared, field.name)
+        ]
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         """Task logits (``[B, n, V]`` for mlm, ``[B, n, classes]`` for tagging,

@@ -302,6 +302,41 @@ def test_save_pretrained_refuses_a_foreign_module_and_overwrites_its_own_folder(
     assert torch.equal(logits(pretrained.from_pretrained(tmp_path / "saved")), logits(second))
 
 
+CHANGES = {  # an engine setting, and a value other than the tiny PT's
+    "iterations": 5,
+    "schedule": "parallel",
+    "damping": (0.3, 0.0),
+    "step_size": (1.0, 0.5),
+    "dropout": 0.2,
+    "exit_threshold": 0.5,
+}
+
+
+@given(setting=st.sampled_from(sorted(CHANGES)), on=st.sampled_from(["engine", "config"]))
+def test_an_engine_setting_changed_after_construction_is_refused_by_name(tmp_path_factory, setting, on):
+    """A saved model is rebuilt from its config: a setting changed on the engine (or on the
+    config, where it has one) after construction would reload as something else."""
+    model = tiny("probabilistic_transformer")
+    if on == "config" and not hasattr(model.config, setting):
+        on = "engine"  # damping and step size are engine arguments only
+    setattr(model.mean_field if on == "engine" else model.config, setting, CHANGES[setting])
+    folder = tmp_path_factory.mktemp("drift")
+    for write in (
+        lambda: pretrained.save_pretrained(model, folder / "saved"),
+        lambda: probformer.export(model, folder / "torch", "torch"),
+    ):
+        with pytest.raises(ValueError, match=f"not what its config declares: {setting}="):
+            write()
+    assert not (folder / "saved").exists() and not (folder / "torch").exists()
+
+
+def test_a_kernel_chosen_after_construction_is_saved_with_the_configs():
+    """Kernels compute the same answers: a model run on another kernel saves as declared."""
+    model = tiny("probabilistic_transformer").double()
+    model.mean_field.kernel = "fused"
+    assert model.undeclared_engine_settings() == []
+
+
 # ---- aliases -------------------------------------------------------------------------------
 
 
