@@ -109,6 +109,11 @@ class ParticleConfig(ConfigMixin):
         )
         if self.width % self.heads:
             raise ValueError(f"config key 'width' ({self.width}) must be divisible by 'heads' ({self.heads})")
+        if self.resample_every > self.layers and self.resampling != "none":
+            raise ValueError(
+                f"config key 'resample_every' ({self.resample_every}) exceeds 'layers' ({self.layers}): the model "
+                "would never resample; set resample_every <= layers, or resampling = 'none'"
+            )
         if not 0 <= self.ess_threshold <= 1:
             raise ValueError(f"config key 'ess_threshold' must lie in [0, 1], got {self.ess_threshold!r}")
         if self.resampling in LEGACY_RESAMPLING:

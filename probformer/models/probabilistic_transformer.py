@@ -95,6 +95,11 @@ class PTConfig(ConfigMixin):
                 "pairwise_gamma": 0,
             }
         )
+        if self.pairwise_gamma and not self.pairwise:
+            raise ValueError(
+                f"config key 'pairwise_gamma' ({self.pairwise_gamma!r}) is the Pairwise factor's distance clip: "
+                "it needs 'pairwise' (a topology's text, e.g. 'chain()')"
+            )
         for key in ("ponder_cost", "span_penalty"):
             if not isinstance(getattr(self, key), int | float) or getattr(self, key) < 0:
                 raise ValueError(f"config key {key!r} must be a number >= 0, got {getattr(self, key)!r}")

@@ -350,6 +350,9 @@ def test_old_resampling_values_load_as_mix():
         (dict(resampling="gumbel-softmax", relaxation="straight-through"), None),
         (dict(resampling="straight-through", relaxation="gumbel-softmax"), "contradicts 'relaxation'"),
         (dict(resampling="systematic"), "'resampling' must be one of \\['copy', 'mix', 'none'\\]"),
+        (dict(layers=2, resample_every=3), "'resample_every' \\(3\\) exceeds 'layers' \\(2\\): the model would never"),
+        (dict(layers=2, resample_every=3, resampling="none"), None),
+        (dict(layers=2, resample_every=2, resampling="copy"), None),
     ],
 )
 def test_bad_resampling_config(values, match):

@@ -95,6 +95,7 @@ def test_classification_by_root_reads_root_wherever_the_topology_lists_it(n, see
         (dict(vocab_size=10, task="tagging"), "'num_classes' must be >= 1"),
         (dict(vocab_size=10, pooling="root", task="classification", num_classes=2), "needs a ROOT node"),
         (dict(vocab_size=10, layers=3), r"unknown config keys \['layers'\]"),
+        (dict(vocab_size=10, pairwise_gamma=2), r"'pairwise_gamma' \(2\) is the Pairwise factor's distance clip"),
     ],
 )
 def test_config_validation_names_the_key(values, match):
