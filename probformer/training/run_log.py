@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -53,8 +54,10 @@ class RunLog:
         self.window_loss, self.window_steps = self.window_loss + loss, self.window_steps + 1
 
     def log_train(self, step: int, **fields) -> dict:
-        """Write the mean loss of the window as the ``train`` line of ``step``; reset it."""
-        record = {"step": step, "split": "train", "loss": self.window_loss / max(self.window_steps, 1), **fields}
+        """Write the mean loss of the window as the ``train`` line of ``step``; reset it. A
+        window whose steps had no target token has no loss: NaN, not 0."""
+        loss = self.window_loss / self.window_steps if self.window_steps else math.nan
+        record = {"step": step, "split": "train", "loss": loss, **fields}
         self.write(record)
         self.window_loss, self.window_steps = 0.0, 0
         return record

@@ -219,11 +219,12 @@ class Trainer:
         task, rate = self.config.data.task, self.config.data.mask_rate
         return evaluate_model(self.model, examples, task, len(self.corpus.vocabulary), rate)
 
-    def train_step(self, examples) -> tuple[float, int, float]:
+    def train_step(self, examples) -> tuple[float | None, int, float]:
         """One optimiser step; ``(mean loss, real tokens, gradient norm before clipping)``.
         A non-finite loss or gradient norm raises ``FloatingPointError`` before the step, so
         the weights stay good. Both are read in the one host synchronisation the step always
-        had (the logged loss)."""
+        had (the logged loss). A batch with no target token (no position masked) trains
+        nothing: no step, and the loss is None (no measurement, not 0)."""
         train, task = self.config.train, self.config.data.task
         torch.manual_seed(train.seed * 1_000_003 + self.step)  # dropout: a function of the step
         masks = torch.Generator().manual_seed(train.seed * 7_919 + self.step)
@@ -232,6 +233,8 @@ class Trainer:
             task, tokens, mask, labels, len(self.corpus.vocabulary), self.config.data.mask_rate, masks
         )
         count, real_tokens = int((targets != IGNORE).sum()), int(mask.sum())  # on the CPU: no device read
+        if count == 0:  # the count is the whole batch's: every process skips alike
+            return None, real_tokens, math.nan
         inputs, mask, targets = (t.to(self.device, non_blocking=True) for t in (inputs, mask, targets))
         rows = slice(self.rank, None, self.world)
         for group in self.optimizer.param_groups:
@@ -314,8 +317,9 @@ class Trainer:
             self.tokens_seen += tokens
             window_tokens += tokens
             self.elapsed = time.perf_counter() - started
-            self.log.add_loss(loss)
-            progress.step(loss, speed)
+            if loss is not None:
+                self.log.add_loss(loss)
+            progress.step(math.nan if loss is None else loss, speed)
             diagnostics_due = train.diagnostics_every and self.step % train.diagnostics_every == 0
             if self.step % train.log_every == 0 or self.step == self.total_steps or diagnostics_due:
                 record = self.log.log_train(self.step, **self._train_fields(grad_norm, window_tokens, window_seconds))

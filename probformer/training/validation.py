@@ -36,11 +36,17 @@ def evaluate_model(model, examples, task: str, vocab_size: int, mask_rate: float
         total += F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="sum").double()
         correct += ((logits.argmax(-1) == targets) & (targets != IGNORE)).sum()
     model.train(was_training)
+    if count == 0:  # a loss of 0 (perplexity 1) would be no measurement, and the best early stopping saw
+        what = "tag" if task == "pos" else "masked token"
+        raise ValueError(
+            f"validation has no target token: {len(examples)} sentence(s) gave no {what} to score; validate on "
+            "more sentences (train.eval_sentences, or evaluate's --sentences)"
+        )
     total, correct = total.item(), int(correct.item())
-    loss = total / max(count, 1)
+    loss = total / count
     result = {"loss": loss, "tokens": count}
     if task == "pos":
-        result["accuracy"] = correct / max(count, 1)
+        result["accuracy"] = correct / count
     else:
         result["perplexity"] = math.exp(min(loss, 700.0))
     return result

@@ -1,0 +1,46 @@
+"""A batch or a validation set with no target token (no position masked) measures nothing:
+validation refuses it by name instead of reporting loss 0 (perplexity 1), and a training
+step on it changes no weight and adds nothing to the logged loss (a window of such steps
+logs NaN, not 0)."""
+
+import math
+
+import pytest
+import torch
+
+from probformer.training import run_config
+from probformer.training.run_log import RunLog
+from probformer.training.trainer import Trainer
+from probformer.training.validation import evaluate_model
+from tests.builders import write_tiny_run_config as write_config
+
+ONE_TOKEN = ([5], None)  # a one-word sentence: at a low mask rate no position is masked
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    torch.set_num_threads(1)
+    config = run_config.load(write_config(tmp_path), ["data.mask_rate=0.01"])
+    return Trainer(config, tmp_path / "run", progress=False)
+
+
+def test_validation_without_a_target_token_is_refused_naming_the_setting(trainer):
+    with pytest.raises(ValueError, match=r"no target token: 3 sentence\(s\) .*train.eval_sentences"):
+        evaluate_model(trainer.model, [ONE_TOKEN] * 3, "mlm", len(trainer.corpus.vocabulary), mask_rate=1e-9)
+    scored = evaluate_model(trainer.model, [ONE_TOKEN] * 3, "mlm", len(trainer.corpus.vocabulary), mask_rate=0.99)
+    assert scored["tokens"] == 3 and scored["loss"] > 0 and math.isfinite(scored["perplexity"])
+
+
+def test_a_step_without_a_target_token_trains_nothing(trainer):
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    loss, tokens, grad_norm = trainer.train_step([ONE_TOKEN])
+    assert loss is None and tokens == 1 and math.isnan(grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_a_log_window_without_a_measured_step_logs_nan_and_a_measured_one_its_mean(tmp_path):
+    log = RunLog(tmp_path / "metrics.jsonl", enabled=False)
+    assert math.isnan(log.log_train(1)["loss"])
+    log.add_loss(2.0)
+    log.add_loss(4.0)
+    assert log.log_train(2)["loss"] == 3.0
