@@ -27,7 +27,7 @@ import torch
 
 from probformer.models import pretrained
 from probformer.training import checkpoint, data
-from probformer.training.corpus import IGNORE, windows
+from probformer.training.corpus import windows
 from probformer.training.run_checkpoints import latest_checkpoint
 from probformer.training.validation import evaluate_model
 
@@ -80,13 +80,20 @@ def encode_windows(sentences, vocabulary, max_length, tags=None) -> tuple[list, 
     """``(ids, labels)`` examples, a long sentence as several windows; and how many
     sentences were cut."""
     tag_index = {t: i for i, t in enumerate(tags or [])}
+    if tags:  # a tag the model has no output for could only be left out of the accuracy: refused
+        unseen = sorted({t for sentence in sentences for t in sentence.upos} - set(tag_index))
+        if unseen:
+            raise ValueError(
+                f"the evaluation data has tags the model was not trained on: {unseen} (it knows {list(tags)}); "
+                "their words could not be scored"
+            )
     examples, windowed = [], 0
     for sentence in sentences:
         words = sentence.words if isinstance(sentence, data.TreebankSentence) else sentence
         ids = vocabulary.encode(words)
         if not ids:
             continue
-        labels = [tag_index.get(t, IGNORE) for t in sentence.upos] if tags else None
+        labels = [tag_index[t] for t in sentence.upos] if tags else None
         windowed += len(ids) > max_length
         examples.extend(windows(ids, labels, max_length))
     return examples, windowed

@@ -117,3 +117,16 @@ def test_a_word_with_no_legal_head_is_never_credited_with_one():
     tree = data.TreebankSentence(words=words, upos=["X"] * 4, heads=[0, 1, 1, 1])
     scores = attachment_scores(NoHeads(), data.Vocabulary.build([words]), [tree])
     assert scores["per_channel"] == pytest.approx([0.0, 0.5])
+
+
+def test_tags_the_model_never_saw_are_refused_by_name(tiny_ewt):
+    """A word whose gold tag has no output could only be left out of the accuracy (it was)."""
+    from probformer.training import data
+    from probformer.training.evaluate import encode_windows
+
+    trees = data.read_conllu(tiny_ewt / "en_ewt-ud-dev.conllu")
+    vocabulary = data.Vocabulary.build([["dogs", "bark"]])
+    with pytest.raises(ValueError, match=r"tags the model was not trained on: \['ADV', 'VERB'\]"):
+        encode_windows(trees, vocabulary, 10, tags=["NOUN"])
+    examples, _ = encode_windows(trees, vocabulary, 10, tags=["ADV", "NOUN", "VERB"])
+    assert [labels for _, labels in examples[:2]] == [[1, 2, 0], [1, 2]]
