@@ -137,11 +137,12 @@ def pareto_k(log_weights, relative_efficiency: float = 1.0) -> ParetoK:
         finite = np.where(np.isneginf(lw), np.finfo(float).min, lw)
         # a degenerate tail (equal or nearly equal weights) makes ArviZ's Pareto fit divide
         # 0 by 0: numpy's RuntimeWarnings leaked into training logs; the non-finite k it gives
-        # is mapped just below (-inf for constant weights, else nan: "unreliable")
+        # is mapped just below: -inf for constant weights, +inf kept (ArviZ's answer when a
+        # few draws hold all the mass: "degenerate", the worst case, never left out), else nan
         with np.errstate(divide="ignore", invalid="ignore"):
             smoothed, k = arviz_interop.psislw(finite, relative_efficiency)
         constant = np.ptp(lw, axis=-1) == 0  # equal weights: no tail at all
-        k = np.where(constant, -np.inf, np.where(np.isfinite(k), k, np.nan))
+        k = np.where(constant, -np.inf, np.where(np.isfinite(k) | np.isposinf(k), k, np.nan))
     verdict = np.where(
         np.isnan(k), "unreliable", np.where(k < 0.5, "ok", np.where(k <= threshold, "high", "degenerate"))
     )

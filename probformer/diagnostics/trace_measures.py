@@ -140,7 +140,7 @@ def _attention(attention: torch.Tensor, mask: torch.Tensor, count: torch.Tensor,
     dims = (DRAW, result.depth, result.width)
     result.add("query_ess", dims, rows.permute(by_sentence))
     result.add("received_ess", dims, columns.permute(by_sentence))
-    result.add("received_pareto_k", dims, _finite_or_nan(k_mass.transpose(by_sentence)))
+    result.add("received_pareto_k", dims, _tailless_as_nan(k_mass.transpose(by_sentence)))
     received = torch.where(real_queries, mass, math.nan).permute(1, 0, 2, 3)  # [B, L, H, n]
     result.add("attention_received", (*dims, TOKEN), received)
 
@@ -152,7 +152,7 @@ def _log_weights(log_weights: torch.Tensor, mask: torch.Tensor, count: torch.Ten
     dims = (DRAW, result.depth)
     result.add("smc_ess", dims, (ess(log_weights=log_weights) / count).T)
     k_hat = _pareto_k_per_sentence(log_weights, mask, sentence_dim=1)  # [L, B]
-    result.add("smc_pareto_k", dims, _finite_or_nan(k_hat.T))  # [B, L]
+    result.add("smc_pareto_k", dims, _tailless_as_nan(k_hat.T))  # [B, L]
     stored = torch.where(mask[None], log_weights, math.nan).permute(1, 0, 2)  # [B, L, n]
     result.add("smc_log_weights", (*dims, PARTICLE), stored)
 
@@ -193,6 +193,7 @@ def _masked_mean(values: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.T
     return torch.where(number > 0, total / number.clamp(min=1), math.nan)
 
 
-def _finite_or_nan(values: np.ndarray) -> np.ndarray:
-    """k-hat of equal weights is -inf (no tail): stored as NaN, like every k with nothing to fit."""
-    return np.where(np.isfinite(values), values, np.nan)
+def _tailless_as_nan(values: np.ndarray) -> np.ndarray:
+    """k-hat of equal weights is -inf (no tail): stored as NaN, like every k with nothing to
+    fit; +inf (a few draws hold all the mass) is kept: the worst collapse is never left out."""
+    return np.where(np.isneginf(values), np.nan, values)

@@ -165,6 +165,17 @@ def test_pareto_weights_recover_their_shape(xi):
     assert result.threshold == pytest.approx(0.7)
 
 
+@given(draws=st.integers(21, 400), heavy=st.integers(1, 3), gap=st.floats(200.0, 2000.0))
+def test_a_few_draws_holding_all_the_mass_are_degenerate_never_unreliable(draws, heavy, gap):
+    """ESS of 1 to 3 out of 21 or more draws: the worst importance weights there are. ArviZ's
+    fit says k = inf; it stays inf ("degenerate"), never NaN ("unreliable", left out of means)."""
+    log_w = np.full(draws, -gap)
+    log_w[:heavy] = 0.0
+    result = diagnostics.pareto_k(log_w)
+    assert float(diagnostics.ess(log_weights=log_w)) == pytest.approx(heavy)
+    assert result.k == np.inf and result.verdict == "degenerate"
+
+
 def test_narrow_proposal_is_heavy_tailed():
     rng = np.random.default_rng(2)
     result = diagnostics.pareto_k(normal_log_ratio(rng, 0.4, 4000))
