@@ -45,6 +45,12 @@ def hf_splits(source: str) -> dict[str, list[str]]:
         named = {"train": _lines(source, "train", loaded)}
     if "train" not in named:
         raise ValueError(f"data.source {source!r} has no 'train' split; it has {sorted(named)}")
+    unknown = sorted(set(named) - {"train", "test", *_VALID_NAMES})
+    if unknown:  # a split that is none of these would be read nowhere
+        raise ValueError(
+            f"data.source {source!r} has splits {unknown} that are none of 'train', 'test' or the validation "
+            f"names {list(_VALID_NAMES)}; rename them (DatasetDict keys) so that none is left out"
+        )
     splits = {"train": named["train"]}
     valid = next((name for name in _VALID_NAMES if name in named), None)
     if valid is not None:
