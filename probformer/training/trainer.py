@@ -53,7 +53,7 @@ from probformer.training.resume import check_same_encoding, resume_source, saved
 from probformer.training.run_checkpoints import latest_checkpoint
 from probformer.training.run_config import RunConfig
 from probformer.training.run_log import Progress, RunLog
-from probformer.training.validation import describe, evaluate_model
+from probformer.training.validation import describe, evaluate_model, refuse_validations_without_targets
 
 __all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
 
@@ -85,6 +85,7 @@ class Trainer:
             self.corpus = prepare_corpus(config.data)
         if self.resume_from:
             check_same_encoding(self.resume_from, self.corpus, saved_vocabulary, config.data.source)
+        self._check_batches_and_validations()
         torch.manual_seed(config.train.seed)
         model_config = config.model_config(len(self.corpus.vocabulary), len(self.corpus.tags or []))
         _, model_cls = registry.classes(config.kind)
@@ -104,8 +105,6 @@ class Trainer:
             self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.lengths = [len(ids) for ids, _ in self.corpus.train]
         per_epoch = math.ceil(len(self.lengths) / config.train.batch_size)
-        if config.train.batch_size < self.world:
-            raise ValueError(f"train.batch_size={config.train.batch_size} is smaller than the {self.world} processes")
         self.total_steps = config.train.steps or config.train.epochs * per_epoch
         self.step = self.epoch = self.batch_in_epoch = self.tokens_seen = 0
         self.elapsed = 0.0
@@ -120,6 +119,19 @@ class Trainer:
             if (self.out / "checkpoints" / "latest").exists():
                 raise FileExistsError(f"{self.out} already holds a run; pass --resume or choose another --out")
             self._create_run_folder()
+
+    def _check_batches_and_validations(self) -> None:
+        """Each process trains on its own rows of every batch, the last included; every
+        validation scores at least one target token."""
+        batch_size, sentences = self.config.train.batch_size, len(self.corpus.train)
+        if batch_size < self.world:
+            raise ValueError(f"train.batch_size={batch_size} is smaller than the {self.world} processes")
+        if 0 < sentences % batch_size < self.world:
+            raise ValueError(
+                f"an epoch's last batch has {sentences % batch_size} sentence(s) ({sentences} sentences, "
+                f"train.batch_size={batch_size}), fewer than the {self.world} processes: change train.batch_size"
+            )
+        refuse_validations_without_targets(self.corpus, self.config)
 
     # -- what is logged --
 

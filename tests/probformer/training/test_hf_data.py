@@ -47,6 +47,16 @@ def test_a_saved_dataset_dict_gives_its_own_splits(tmp_path):
         assert read_split(f"hf:{saved}", split) == ([line.split() for line in expected[split]], split)
 
 
+@pytest.mark.parametrize("other", ["val", "extra"])
+def test_a_split_read_nowhere_is_refused_naming_the_split_names(tmp_path, other):
+    """A 'val' split was not taken for validation (a twentieth of train was held out instead)."""
+    saved = tmp_path / "saved"
+    splits = {"train": TRAIN, other: VALIDATION}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(saved)
+    with pytest.raises(ValueError, match=rf"has splits \['{other}'\] that are none of 'train', 'test' or .*'dev'"):
+        data.text_splits(f"hf:{saved}")
+
+
 def test_a_single_dataset_holds_out_its_last_twentieth_and_finds_its_text_column(tmp_path):
     lines = [f"sentence number {i}" for i in range(41)]
     saved = tmp_path / "single"
@@ -121,7 +131,7 @@ threads = 1
 def test_a_model_trains_on_a_saved_dataset_with_long_lines_windowed(tmp_path):
     words = "the cat sat on a mat while dogs ran past houses near rivers".split()
     lines = [" ".join(words[i % 5 : i % 5 + 3 + i % 9]) for i in range(60)]
-    valid = ["the cat sat on a mat while dogs ran"]
+    valid = ["the cat sat on a mat while dogs ran", "dogs ran past houses", "a cat sat near rivers"]
     saved = tmp_path / "saved"
     datasets.DatasetDict(
         {

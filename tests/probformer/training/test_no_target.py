@@ -31,6 +31,34 @@ def test_validation_without_a_target_token_is_refused_naming_the_setting(trainer
     assert scored["tokens"] == 3 and scored["loss"] > 0 and math.isfinite(scored["perplexity"])
 
 
+def text_run(tmp_path, last_lines: list[str], batch_size: int = 8):
+    """A text source of 38 six-word lines and ``last_lines``: the last 1/20 (2 lines) validate."""
+    source = tmp_path / "text.txt"
+    source.write_text("\n".join(["the cat sat on the mat"] * 38 + last_lines) + "\n")
+    config = write_config(tmp_path, source=str(source))
+    overrides = ["data.mask_rate=0.01", f"train.batch_size={batch_size}", "data.vocabulary=50"]
+    return run_config.load(config, overrides)
+
+
+def test_a_run_whose_validation_scores_no_token_is_refused_before_its_folder_exists(tmp_path):
+    with pytest.raises(ValueError, match=r"validation has no target token: 2 sentence\(s\)"):
+        Trainer(text_run(tmp_path, ["cat", "mat"]), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_last_batch_smaller_than_the_process_count_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """38 training sentences in batches of 4: the last has 2 rows, one per process of 2 but
+    none for a third."""
+    from probformer.training import placement
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(placement, "init_distributed", lambda device: (0, 3))
+    config = text_run(tmp_path, ["the cat sat", "on the mat"], batch_size=4)
+    with pytest.raises(ValueError, match=r"last batch has 2 sentence\(s\) \(38 sentences, train.batch_size=4\), fewer"):
+        Trainer(config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_step_without_a_target_token_trains_nothing(trainer):
     before = [p.detach().clone() for p in trainer.model.parameters()]
     loss, tokens, grad_norm = trainer.train_step([ONE_TOKEN])
