@@ -60,7 +60,11 @@ class Vocabulary:
         return len(self.words)
 
     def encode(self, sentence: list[str]) -> list[int]:
-        return [self.index.get(w, 1) for w in sentence]
+        """Ids of the words; an unknown word is <unk>, and so is the literal text "<pad>" or
+        "<mask>" (a word of the text, never padding or a masked position). "<unk>" stays
+        <unk>: the Penn Treebank writes unknown words so."""
+        index = self.index
+        return [1 if w == PAD or w == MASK else index.get(w, 1) for w in sentence]
 
 
 @dataclass
@@ -221,6 +225,8 @@ class SubwordVocabulary:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # the literal text "<pad>" or "<mask>" is text (pieces), never padding or a masked position
+        tokenizer.encode_special_tokens = True
         size = tokenizer.get_vocab_size()
         self.words = [tokenizer.id_to_token(i) for i in range(size)]
         if self.words[:3] != [PAD, UNK, MASK]:

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -237,3 +239,19 @@ def test_long_ewt_sentences_cut_their_tags_alongside(tmp_path, monkeypatch):
     cut = [([prepared.vocabulary.words[i] for i in ids], [tags[t] for t in labels]) for ids, labels in prepared.train]
     assert cut == [(words[:5], upos[:5]), (words[5:10], upos[5:10]), (words[10:], upos[10:]), (["dog"], ["NOUN"])]
     assert prepared.valid_heads == [[0] * 11, [0]]  # whole sentences, not windows
+
+
+@functools.cache
+def subword_with_specials_in_its_text():
+    return data.SubwordVocabulary.train(["the cat sat on the mat", "write <pad> or <mask> here"] * 4, 60)
+
+
+@given(st.lists(st.sampled_from(["the", "cat", "<pad>", "<PAD>", "<mask>", "x<pad>y", "<unk>", "dog"]), max_size=12))
+def test_the_literal_text_of_a_special_token_is_never_padding_or_a_mask(words):
+    """ "<pad>" or "<mask>" written in the text is a word: ids 0 (padding) and 2 (a masked
+    position) never come out of encode; "<unk>" (the Penn Treebank's unknown word) is <unk>."""
+    vocabulary = data.Vocabulary.build([["the", "cat", "<pad>", "<mask>"]])  # the specials are not counted
+    assert vocabulary.encode(words) == [{"the": 3, "cat": 4}.get(w, 1) for w in words]
+    ids = subword_with_specials_in_its_text().encode(words)
+    assert 0 not in ids and 2 not in ids
+    assert len(ids) >= len(words)  # every word gives at least one piece
