@@ -195,7 +195,13 @@ class RunConfig:
                 f"with data.task={config.data.task!r}"
             )
         # validate the model keys (and the model's size) now, at the largest vocabulary the data may give
-        config.model_config(vocab_size=config.data.vocabulary + 8, num_classes=2)
+        built = config.model_config(vocab_size=config.data.vocabulary + 8, num_classes=2)
+        if getattr(built, "max_length", config.data.max_length) < config.data.max_length:
+            raise ValueError(
+                f"config key 'model.max_length' ({built.max_length}) is below 'data.max_length' "
+                f"({config.data.max_length}): the model could not read the longest sentences the data gives it; "
+                "raise model.max_length or lower data.max_length"
+            )
         return config
 
     def model_config(self, vocab_size: int, num_classes: int = 0):

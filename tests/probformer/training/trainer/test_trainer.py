@@ -295,6 +295,17 @@ def test_a_model_too_large_for_the_data_vocabulary_is_refused_before_allocating(
             "more than the limit 2,147,483,648",
         ),
         (lambda t: t.replace("channels = 2", "channels = 0"), "config key 'model.channels'"),
+        (
+            lambda t: (
+                t.replace('kind = "probabilistic_transformer"', 'kind = "transformer"\nmax_length = 16')
+                .replace(
+                    "labels = 16\nchannels = 2\nrank = 4\niterations = 2",
+                    "width = 8\nheads = 2\nlayers = 1\nffn_width = 8",
+                )
+                .replace("mup = true\n", "")
+            ),
+            "config key 'model.max_length' (16) is below 'data.max_length' (90)",
+        ),
     ],
 )
 def test_cli_validates_the_whole_config_before_creating_the_run_folder(tmp_path, mutate, message):
