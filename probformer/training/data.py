@@ -241,6 +241,12 @@ class SubwordVocabulary:
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=[PAD, UNK, MASK])
         tokenizer.train_from_iterator(lines, trainer)
+        kept = tokenizer.get_vocab_size()
+        if kept > size:  # WordPiece keeps every character it saw, whatever the size asked for
+            raise ValueError(
+                f"data.vocabulary = {size} is below the {kept} pieces WordPiece keeps for this text (each of its "
+                f"characters, alone and as a continuation): set data.vocabulary to at least {kept}"
+            )
         return cls(tokenizer)
 
     @classmethod

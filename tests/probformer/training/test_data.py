@@ -255,3 +255,16 @@ def test_the_literal_text_of_a_special_token_is_never_padding_or_a_mask(words):
     ids = subword_with_specials_in_its_text().encode(words)
     assert 0 not in ids and 2 not in ids
     assert len(ids) >= len(words)  # every word gives at least one piece
+
+
+@given(st.integers(4, 120))
+@settings(max_examples=8, deadline=None)
+def test_a_subword_vocabulary_is_never_larger_than_asked(size):
+    """WordPiece keeps every character of the text: a size below that is refused by name."""
+    lines = ["the quick brown fox jumps over the lazy dog 0123456789"] * 4
+    try:
+        vocabulary = data.SubwordVocabulary.train(lines, size)
+    except ValueError as error:
+        assert f"data.vocabulary = {size} is below the" in str(error)
+    else:
+        assert len(vocabulary) <= size
