@@ -144,6 +144,11 @@ class TrainConfig(ConfigMixin):
             raise ValueError(
                 f"config key 'train.patience'={self.patience} needs periodic validation: set 'train.eval_every' > 0"
             )
+        if self.steps and self.epochs > 1:  # steps end the run: the epochs would be ignored
+            raise ValueError(
+                f"config keys 'train.steps' ({self.steps}) and 'train.epochs' ({self.epochs}) both say when the run "
+                "ends: set one (steps = 0 trains for the epochs)"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"config key 'train.device' must be one of {list(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
