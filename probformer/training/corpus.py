@@ -100,7 +100,7 @@ def _encode(split: _Split, name: str, config, vocabulary, tag_index: dict) -> tu
             labels = [tag_index[t] for t in split.tags[number]]
         if len(ids) > config.max_length:
             too_long.append(len(ids))
-        examples += windows(ids, labels, config.max_length)
+        examples += windows(ids, labels, config.max_length, config.task)
     if too_long and config.long_sentences == "error":
         raise ValueError(
             f"{len(too_long)} {name} sentences are longer than data.max_length={config.max_length} "
@@ -110,12 +110,17 @@ def _encode(split: _Split, name: str, config, vocabulary, tag_index: dict) -> tu
     return examples, len(too_long)
 
 
-def windows(ids: list[int], labels: list[int] | None, max_length: int) -> list[tuple[list[int], list[int] | None]]:
-    """``(ids, labels)`` cut into consecutive windows of at most ``max_length`` tokens (one
-    example when it fits): every token stays, once, with the context of its window."""
+def windows(ids: list[int], labels: list[int] | None, max_length: int, task: str = "mlm") -> list[tuple]:
+    """``(ids, labels)`` cut into windows of at most ``max_length`` tokens (one example when
+    it fits), with the context of its window: consecutive, every token once; for next-token
+    prediction ("lm") each window starts on the last token of the one before, so that every
+    token but the sentence's first is a target once (a window's first token has no target)."""
+    overlap = 1 if task == "lm" else 0
+    if overlap and max_length < 2:
+        raise ValueError(f"next-token windows need data.max_length >= 2 (a target after its token), got {max_length}")
     return [
         (ids[start : start + max_length], None if labels is None else labels[start : start + max_length])
-        for start in range(0, len(ids), max_length)
+        for start in range(0, max(len(ids) - overlap, 1), max_length - overlap)
     ]
 
 

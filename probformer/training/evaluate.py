@@ -76,7 +76,7 @@ def read_split(source: str, split: str | None = None) -> tuple[list, str]:
     return [line.split() for line in splits[split]], split
 
 
-def encode_windows(sentences, vocabulary, max_length, tags=None) -> tuple[list, int]:
+def encode_windows(sentences, vocabulary, max_length, tags=None, task: str = "mlm") -> tuple[list, int]:
     """``(ids, labels)`` examples, a long sentence as several windows; and how many
     sentences were cut."""
     tag_index = {t: i for i, t in enumerate(tags or [])}
@@ -95,7 +95,7 @@ def encode_windows(sentences, vocabulary, max_length, tags=None) -> tuple[list, 
             continue
         labels = [tag_index[t] for t in sentence.upos] if tags else None
         windowed += len(ids) > max_length
-        examples.extend(windows(ids, labels, max_length))
+        examples.extend(windows(ids, labels, max_length, task))
     return examples, windowed
 
 
@@ -177,7 +177,7 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
             f"--task {task} needs a model trained for {needed!r}, got {type(model).__name__} ({learned!r})"
         )
     tags = _checkpoint_tags(path) if task == "pos" else None
-    examples, windowed = encode_windows(trees, vocabulary, max_length, tags)
+    examples, windowed = encode_windows(trees, vocabulary, max_length, tags, task)
     if not examples:
         raise ValueError(f"--data {source} --split {split} holds no sentences to evaluate")
     metrics = evaluate_model(model, examples, task, len(vocabulary))

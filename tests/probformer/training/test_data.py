@@ -191,6 +191,22 @@ def test_windows_keep_every_token_once(size):
     assert all(t is None for _, t in corpus.windows(ids, None, size))
 
 
+@given(length=st.integers(1, 40), size=st.integers(2, 12))
+def test_next_token_windows_give_every_token_but_the_first_a_target_once(length, size):
+    """Targets of next-token prediction, counted with the rule written here (each token of
+    a window after its first is a target): the sentence's tokens 2..n once each."""
+    ids = list(range(3, 3 + length))
+    cut = corpus.windows(ids, None, size, "lm")
+    assert all(1 <= len(w) <= size for w, _ in cut)
+    targets = [token for w, _ in cut for token in w[1:]]
+    assert sorted(targets) == ids[1:]
+
+
+def test_next_token_windows_of_one_token_are_refused():
+    with pytest.raises(ValueError, match="data.max_length >= 2"):
+        corpus.windows([3, 4, 5], None, 1, "lm")
+
+
 def test_long_text_lines_are_refused_or_windowed(tmp_path):
     path = tmp_path / "long.txt"
     path.write_text("\n".join(LONG_TEXT))
