@@ -254,13 +254,14 @@ def run_train(args) -> int:
 
 def run_evaluate(args) -> int:
     _check_count(args.sentences, 0)
-    _check_source(*_old_data_spelling(args.data, args.split))
+    source, split = _old_data_spelling(args.data, args.split)  # --data ptb-test: ptb, test (as diagnose)
+    _check_source(source, split)
     _existing(args.model)
     from probformer.training import evaluate as evaluation
 
-    metrics = evaluation.evaluate(args.model, args.task, args.data, args.split, args.sentences)
-    data = args.data or ("ewt" if args.task in ("pos", "uas") else "ptb")
-    split = args.split or ("valid" if data in ("ptb", "ewt") or data.startswith("hf:") else "all")
+    metrics = evaluation.evaluate(args.model, args.task, source, split, args.sentences)
+    data = source or ("ewt" if args.task in ("pos", "uas") else "ptb")
+    split = split or ("valid" if data in ("ptb", "ewt") or data.startswith("hf:") else "all")
     print(f"{args.task} on {data} ({split}):")
     evaluation.print_table(args.task, metrics)
     return 0

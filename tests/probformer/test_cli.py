@@ -368,6 +368,18 @@ def test_old_data_spelling_is_the_new():
         cli._old_data_spelling("ptb-valid", "test")
 
 
+def test_evaluate_reads_the_earlier_data_spelling_as_diagnose_does(tmp_path, monkeypatch, capsys):
+    """--data ptb-test is --data ptb --split test (it reached the loader as a path)."""
+    from probformer.training import evaluate as evaluation
+
+    asked = []
+    monkeypatch.setattr(evaluation, "evaluate", lambda *args: asked.append(args) or {"loss": 1.0})
+    monkeypatch.setattr(evaluation, "print_table", lambda task, metrics: None)
+    assert cli.main(["evaluate", str(tmp_path), "--task", "mlm", "--data", "ptb-test"]) == 0
+    assert asked == [(str(tmp_path), "mlm", "ptb", "test", 0)]
+    assert "mlm on ptb (test):" in capsys.readouterr().out
+
+
 # ---- every verb end to end ---------------------------------------------------------------------
 
 
