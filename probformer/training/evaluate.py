@@ -29,6 +29,7 @@ from probformer.models import pretrained
 from probformer.training import checkpoint, data
 from probformer.training.corpus import windows
 from probformer.training.run_checkpoints import latest_checkpoint
+from probformer.training.run_config import DataConfig
 from probformer.training.validation import evaluate_model
 
 __all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "encode_windows", "TASKS", "SPLITS"]
@@ -180,8 +181,23 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
     examples, windowed = encode_windows(trees, vocabulary, max_length, tags, task)
     if not examples:
         raise ValueError(f"--data {source} --split {split} holds no sentences to evaluate")
-    metrics = evaluate_model(model, examples, task, len(vocabulary))
-    return {**metrics, "sentences": len(trees), "windowed": windowed}
+    mask_rate = _trained_mask_rate(path)
+    metrics = evaluate_model(model, examples, task, len(vocabulary), mask_rate)
+    extra = {"mask_rate": mask_rate} if task == "mlm" else {}
+    return {**metrics, **extra, "sentences": len(trees), "windowed": windowed}
+
+
+def _trained_mask_rate(path) -> float:
+    """The masking rate the run trained with (its run.json: a run folder, its model folder or
+    one of its checkpoints), else the default's: a perplexity read at another rate is
+    another number."""
+    import json
+
+    path = Path(path)
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "run.json").is_file():
+            return json.loads((folder / "run.json").read_text())["data"]["mask_rate"]
+    return DataConfig().mask_rate
 
 
 def _checkpoint_tags(path) -> list[str]:

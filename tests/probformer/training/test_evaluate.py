@@ -130,3 +130,19 @@ def test_tags_the_model_never_saw_are_refused_by_name(tiny_ewt):
         encode_windows(trees, vocabulary, 10, tags=["NOUN"])
     examples, _ = encode_windows(trees, vocabulary, 10, tags=["ADV", "NOUN", "VERB"])
     assert [labels for _, labels in examples[:2]] == [[1, 2, 0], [1, 2]]
+
+
+def test_mlm_evaluation_masks_at_the_rate_the_run_trained_with(tmp_path):
+    """Read from run.json wherever the model was found in the run; 15% for a bare folder."""
+    import json
+
+    from probformer.training.evaluate import _trained_mask_rate
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "checkpoints" / "step-0000004").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"data": {"mask_rate": 0.5}}))
+    for where in (run, run / "model", run / "checkpoints" / "step-0000004"):
+        assert _trained_mask_rate(where) == 0.5
+    (tmp_path / "bare").mkdir()
+    assert _trained_mask_rate(tmp_path / "bare") == 0.15
