@@ -28,7 +28,7 @@ from probformer.training import crash_points
 from probformer.training.checkpoint import write_failure
 from probformer.training.run_checkpoints import write_text_atomic
 
-__all__ = ["RunLog", "Progress", "WALL_CLOCK_KEYS"]
+__all__ = ["RunLog", "Progress", "WALL_CLOCK_KEYS", "start_messages"]
 
 # fields that measure time, not the run: they differ between any two runs
 WALL_CLOCK_KEYS = ("elapsed", "tokens_per_second")
@@ -245,3 +245,23 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def start_messages(trainer) -> list[str]:
+    """What a run prints as it starts: its size, and what it cut or will not reach."""
+    corpus, total = trainer.corpus, trainer.total_steps
+    lines = [
+        f"{trainer.config.kind}: {trainer.parameters / 1e6:.2f}M parameters; {len(corpus.train)} training / "
+        f"{len(corpus.valid)} validation sentences; vocabulary {len(corpus.vocabulary)}; {total} steps; "
+        f"{trainer.world} process(es){'; freed memory held' if trainer.holds_freed_memory else ''} -> {trainer.out}"
+    ]
+    if any(corpus.windowed.values()):
+        cut = ", ".join(f"{count} {split}" for split, count in corpus.windowed.items() if count)
+        lines.append(f"sentences longer than data.max_length, cut into windows: {cut}")
+    warmup = trainer.config.train.warmup_steps
+    if warmup > total:  # a smoke run may mean it; a real one would not
+        lines.append(
+            f"note: train.warmup_steps = {warmup} is more than the run's {total} steps: the learning rate "
+            f"rises to {total / warmup:.0%} of train.lr and never decays"
+        )
+    return lines

@@ -52,7 +52,7 @@ from probformer.training.early_stopping import EarlyStopping
 from probformer.training.resume import check_same_encoding, resume_source, saved_fingerprint, text_fingerprint
 from probformer.training.run_checkpoints import latest_checkpoint
 from probformer.training.run_config import RunConfig
-from probformer.training.run_log import Progress, RunLog
+from probformer.training.run_log import Progress, RunLog, start_messages
 from probformer.training.validation import describe, evaluate_model, refuse_validations_without_targets
 
 __all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
@@ -291,16 +291,8 @@ class Trainer:
 
     def run(self) -> dict:
         if self.progress:
-            print(
-                f"{self.config.kind}: {self.parameters / 1e6:.2f}M parameters; {len(self.corpus.train)} training / "
-                f"{len(self.corpus.valid)} validation sentences; vocabulary {len(self.corpus.vocabulary)}; "
-                f"{self.total_steps} steps; {self.world} process(es)"
-                f"{'; freed memory held' if self.holds_freed_memory else ''} -> {self.out}",
-                flush=True,
-            )
-            if any(self.corpus.windowed.values()):
-                cut = ", ".join(f"{count} {split}" for split, count in self.corpus.windowed.items() if count)
-                print(f"sentences longer than data.max_length, cut into windows: {cut}", flush=True)
+            for line in start_messages(self):
+                print(line, flush=True)
         progress = Progress(self.total_steps, self.step, self.progress, every=PROGRESS_EVERY)
         try:
             summary = self._loop(progress)

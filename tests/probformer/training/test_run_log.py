@@ -277,3 +277,20 @@ def test_the_probe_of_a_diverged_model_is_nan_not_an_error():
         next(model.parameters()).view(-1)[0] = math.nan
     found = layer_metrics(model, tokens, mask, names=names)
     assert list(found) == names and all(math.isnan(v) for v in found.values())
+
+
+@pytest.mark.parametrize("steps,note", [(1, "rises to 50% of train.lr and never decays"), (8, None)])
+def test_a_warm_up_longer_than_the_run_is_said_as_the_run_starts(tmp_path, steps, note):
+    """The tiny run warms up over 2 steps: a 1-step run reaches half the rate."""
+    from probformer.training.run_log import start_messages
+    from probformer.training.trainer import Trainer
+    from tests.builders import write_tiny_run_config
+
+    trainer = Trainer(run_config.load(write_tiny_run_config(tmp_path, steps=steps)), tmp_path / "run", progress=False)
+    lines = start_messages(trainer)
+    assert lines[0].startswith("probabilistic_transformer: ") and f"; {steps} steps; 1 process(es)" in lines[0]
+    notes = [line for line in lines if line.startswith("note: train.warmup_steps = 2")]
+    if note is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and note in notes[0]
