@@ -59,6 +59,22 @@ def status(run: Path, summary: dict | None) -> str:
     return "in progress" if run.is_dir() else "not started"
 
 
+DIVERGED = 10.0  # a validation perplexity this many times the best before it: the run diverged there
+
+
+def diverged_at(points: list[float]) -> int | None:
+    """The first epoch (1-based) whose perplexity is ``DIVERGED`` times the best before it."""
+    for epoch in range(1, len(points)):
+        if points[epoch] > DIVERGED * min(points[:epoch]):
+            return epoch + 1
+    return None
+
+
+def ppl(value: float) -> str:
+    """A perplexity as the tables print it: one decimal, or powers of ten past a million."""
+    return f"{value:.1f}" if value < 1e6 else f"{value:.2e}"
+
+
 def summarise(arm: Arm, seed: int) -> dict:
     run = arm.folder(seed)
     points = curve(run)
@@ -75,6 +91,7 @@ def summarise(arm: Arm, seed: int) -> dict:
         "best_perplexity": points[best] if points else None,
         "best_epoch": best + 1 if points else None,
         "status": status(run, summary),
+        "diverged_at": diverged_at(points),
         "tokens_per_second": tokens_per_second(run),
         "cpu_hours": cpu_hours(run),
     }
@@ -93,6 +110,10 @@ def sign_changes(gaps: list[float]) -> list[int]:
     return [e for e in range(1, len(gaps)) if (gaps[e] > 0) != (gaps[e - 1] > 0)]
 
 
+def gap_text(gap: float) -> str:
+    return f"{gap:+.1f}" if abs(gap) < 1e6 else f"{gap:+.2e}"
+
+
 def crossing(pt: list[float], baseline: list[float]) -> str:
     """Where PT's curve crosses the baseline's (every crossing, then the gaps since the
     first), or how the gap moves so far."""
@@ -104,13 +125,13 @@ def crossing(pt: list[float], baseline: list[float]) -> str:
     if flips:
         where = ", then ".join(f"between epochs {e} and {e + 1}" for e in flips)
         ahead = "PT" if gaps[-1] > 0 else "the baseline"
-        since = ", ".join(f"{g:+.1f}" for g in gaps[flips[0] - 1 :])
+        since = ", ".join(gap_text(g) for g in gaps[flips[0] - 1 :])
         return (
             f"the curves cross {where}; {ahead} is ahead at epoch {common}; "
             f"gap (baseline − PT) from epoch {flips[0]} on: {since}"
         )
     text = f"no crossing in {common} common epoch(s); gap (baseline − PT) by epoch: " + ", ".join(
-        f"{g:+.1f}" for g in gaps
+        gap_text(g) for g in gaps
     )
     if common >= 3 and abs(gaps[-1]) < abs(gaps[-3]):
         rate = (abs(gaps[-3]) - abs(gaps[-1])) / 2
@@ -145,7 +166,7 @@ def against_the_paper(pt: list[float], bert: list[float]) -> str:
         return f"No common epoch yet; {paper}."
     leader = "BERT" if bert[common - 1] < pt[common - 1] else "PT"
     agrees = "agrees with" if leader == "BERT" else "is the reverse of"
-    figures = f"{pt[common - 1]:.1f} PT vs {bert[common - 1]:.1f} BERT"
+    figures = f"{ppl(pt[common - 1])} PT vs {ppl(bert[common - 1])} BERT"
     return f"At epoch {common}, {leader} is ahead ({figures}): this {agrees} {paper}."
 
 
@@ -155,23 +176,34 @@ def plot(rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, axes = plt.subplots(figsize=(10, 4.5))
     colours = {"pt-small": "tab:blue", "bert-small": "tab:orange", "ut-small": "tab:green"}
     spare = iter(["tab:purple", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
     for name in dict.fromkeys(row["config"] for row in rows):
         colours.setdefault(name, next(spare, "tab:gray"))
+    # a diverged run (perplexities of 1e40) would squash every other curve: the axis ends a
+    # little above the largest first-epoch perplexity, and points above it sit on that edge, as x
+    top = 1.5 * max((row["curve"][0] for row in rows if row["curve"]), default=1.0)
     for row in rows:
         if row["curve"]:
             epochs = range(1, len(row["curve"]) + 1)
             style = "-" if row["seed"] == 0 else "--"
             label = f"{row['config']} seed {row['seed']} (lr {row['lr']:g})"
-            axes.plot(epochs, row["curve"], style, marker="o", color=colours.get(row["config"]), label=label)
+            if row["diverged_at"]:
+                label += f", diverged at epoch {row['diverged_at']}"
+            shown = [min(value, top) for value in row["curve"]]
+            colour = colours.get(row["config"])
+            axes.plot(epochs, shown, style, marker="o", color=colour, label=label)
+            off = [(e, top) for e, value in zip(epochs, row["curve"]) if value > top]
+            if off:
+                axes.plot(*zip(*off), "x", color=colour, markersize=10, markeredgewidth=2)
     axes.set_yscale("log")
+    axes.set_ylim(top=top * 1.05)
     axes.xaxis.get_major_locator().set_params(integer=True)  # epochs are whole numbers
     axes.set_xlabel("epoch")
     axes.set_ylabel("validation masked-token perplexity")
     axes.set_title("PTB MLM, small size")
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, not on them
     figure.tight_layout()
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(PLOT, dpi=120)
@@ -195,14 +227,22 @@ def report(arms: list[Arm], seeds: int) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        best = f"{r['best_perplexity']:.1f} ({r['best_epoch']})" if r["curve"] else "—"
-        last = f"{r['curve'][-1]:.1f}" if r["curve"] else "—"
+        best = f"{ppl(r['best_perplexity'])} ({r['best_epoch']})" if r["curve"] else "—"
+        last = f"{ppl(r['curve'][-1])}" if r["curve"] else "—"
+        status = r["status"] + (f", diverged at epoch {r['diverged_at']}" if r["diverged_at"] else "")
         speed = f"{r['tokens_per_second']:,.0f}" if r["tokens_per_second"] else "—"
         lines.append(
-            f"| {r['config']} s{r['seed']} | {r['lr']:g} | {r['epochs']} | {r['status']} | {best} | {last} | "
+            f"| {r['config']} s{r['seed']} | {r['lr']:g} | {r['epochs']} | {status} | {best} | {last} | "
             f"{speed} | {r['cpu_hours']:.2f} |"
         )
     lines += ["", f"Total CPU hours so far: {sum(r['cpu_hours'] for r in rows):.2f}.", ""]
+    for r in (r for r in rows if r["diverged_at"]):
+        epoch = r["diverged_at"]
+        lines.append(
+            f"- Diverged: {r['config']} s{r['seed']} at epoch {epoch} (validation perplexity "
+            f"{ppl(r['curve'][epoch - 1])}, after a best of {ppl(min(r['curve'][: epoch - 1]))}); early stopping "
+            "ends it once its patience runs out, and its best epoch stands."
+        )
     pts = [arm.name for arm in arms if arm.model == "pt"]
     for pt in pts:
         for baseline in [arm.name for arm in arms if arm.model != "pt"]:

@@ -115,3 +115,21 @@ def test_the_crossings_are_the_sign_flips_and_their_count_gives_the_final_leader
     assert all((gaps[e] < 0) == (gaps[e - 1] < 0) for e in range(1, len(gaps)) if e not in flips)
     # an odd number of crossings, and only then, leaves the other model ahead
     assert (len(flips) % 2 == 1) == ((gaps[0] > 0) != (gaps[-1] > 0))
+
+
+@given(st.lists(st.floats(1.0, 1e4), min_size=1, max_size=30), st.integers(0, 29), st.floats(10.5, 1e40))
+def test_a_run_diverges_at_the_first_epoch_ten_times_worse_than_its_best_before(points, at, factor):
+    from benchmarks.convergence_report import diverged_at
+
+    steady = [min(points[: i + 1]) for i in range(len(points))]  # never worse than before: no divergence
+    assert diverged_at(steady) is None
+    if at < len(steady):
+        spiked = steady[:at] + [factor * min(steady[: at or 1])] + steady[at:]
+        assert diverged_at(spiked) == (at + 1 if at else None)  # the first epoch has nothing before it
+
+
+def test_perplexities_past_a_million_print_as_powers_of_ten():
+    from benchmarks.convergence_report import gap_text, ppl
+
+    assert ppl(282.64) == "282.6" and ppl(2.1309e40) == "2.13e+40"
+    assert gap_text(-5.25) == "-5.2" and gap_text(-2.13e40) == "-2.13e+40"
