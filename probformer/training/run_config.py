@@ -122,7 +122,7 @@ class TrainConfig(ConfigMixin):
     warmup_steps: int = 100
     schedule: str = "linear"  # decay after warm-up: "linear", "cosine" (to 0) or "constant"
     epochs: int = 1
-    steps: int = 0  # stop after this many steps (0: after `epochs` epochs)
+    steps: int = 0  # stop after this many steps, whatever `epochs` says (0: after `epochs` epochs)
     clip: float = 1.0  # gradient-norm clip (0: none)
     bf16: bool = False  # bf16 autocast for the forward pass
     eval_every: int = 0  # steps between validations (0: only at the end)
@@ -143,11 +143,6 @@ class TrainConfig(ConfigMixin):
         if self.patience and not self.eval_every:
             raise ValueError(
                 f"config key 'train.patience'={self.patience} needs periodic validation: set 'train.eval_every' > 0"
-            )
-        if self.steps and self.epochs > 1:  # steps end the run: the epochs would be ignored
-            raise ValueError(
-                f"config keys 'train.steps' ({self.steps}) and 'train.epochs' ({self.epochs}) both say when the run "
-                "ends: set one (steps = 0 trains for the epochs)"
             )
         if self.device not in DEVICES:
             raise ValueError(f"config key 'train.device' must be one of {list(DEVICES)}, got {self.device!r}")
