@@ -68,7 +68,11 @@ def state_space_callables(model, data, batch_size, num_steps, init_args, num_par
         increment = torch.zeros(B * N, dtype=dtype, device=device)
         for site in trace.nodes.values():
             if site["type"] == "sample" and site["is_observed"]:
-                increment = increment + site["log_prob"].reshape(B * N, -1).sum(-1)
+                # the particles are the last batch dim (their plate's, dim=-1); a plate of the
+                # model's own (dims -2, ...) multiplies its terms into each particle's weight
+                log_prob = site["log_prob"]
+                log_prob = log_prob.expand(*log_prob.shape[:-1], B * N) if log_prob.dim() else log_prob.expand(B * N)
+                increment = increment + log_prob.reshape(-1, B * N).sum(0)
         return increment.reshape(B, N)
 
     def init(_):

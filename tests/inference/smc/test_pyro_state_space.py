@@ -208,3 +208,41 @@ def test_a_run_of_no_step_whose_init_gave_zero_weight_everywhere_is_refused():
         SMC(num_particles=8, ess_threshold=0.0).filter(model, num_steps=0, batch_size=1)
     unvalidated = SMC(num_particles=8, ess_threshold=0.0, validate=False).filter(model, num_steps=0, batch_size=1)
     assert unvalidated.log_evidence.isnan().all()
+
+
+class WalkSeenTwice:
+    """x_t = x_{t-1} + N(0, q), two observations per step, y_tk ~ N(x_t, r), in a pyro.plate."""
+
+    def __init__(self, q, r, per_step):
+        self.q, self.r, self.per_step = q, r, per_step
+
+    def init(self, state):
+        state["x"] = pyro.sample("x0", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+
+    def step(self, state, y):
+        state["x"] = pyro.sample("x", dist.Normal(state["x"], self.q**0.5))
+        with pyro.plate("seen", self.per_step, dim=-2):
+            pyro.sample("y", dist.Normal(state["x"], self.r**0.5), obs=y.T)
+
+
+@given(st.integers(0, 1000))
+@settings(max_examples=4, deadline=None)
+def test_observations_in_a_plate_of_the_models_own_weigh_each_particle_by_its_own_terms(seed):
+    """The Kalman filter of the same walk with H = [1, 1]^T is the oracle; the plate's log-prob
+    [2, particles] was reshaped across particles before."""
+    g = torch.Generator().manual_seed(seed)
+    steps, q, r = 6, 0.5, 0.3
+    ys = torch.randn(steps, 2, generator=g, dtype=torch.float64)
+    one = torch.ones(1, 1, dtype=torch.float64)
+    _, exact_log_z = kalman(
+        ys,
+        one,
+        q * one,
+        torch.ones(2, 1, dtype=torch.float64),
+        r * torch.eye(2, dtype=torch.float64),
+        torch.zeros(1, dtype=torch.float64),
+        one,
+    )
+    pyro.set_rng_seed(seed)
+    result = SMC(num_particles=20_000, ess_threshold=0.5).filter(WalkSeenTwice(q, r, 2), ys)
+    assert abs(result.log_evidence.item() - exact_log_z) < 0.1
