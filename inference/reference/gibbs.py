@@ -86,6 +86,7 @@ class Gibbs:
                 raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
         if not hasattr(crf, "templates"):
             raise TypeError(f"crf must be a graphs.CRF, got {type(crf).__name__}")
+        crf.check_factor_graph()  # a product-key memory is no factor Gibbs could sample
         self.crf = crf
         self.templates = compile_templates(crf, "Gibbs")
         self.num_samples, self.num_warmup, self.num_chains, self.seed = (

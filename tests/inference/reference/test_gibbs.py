@@ -75,6 +75,14 @@ def test_gibbs_refuses_absurd_counts_naming_the_limit(kwargs, match):
         inference.Gibbs(crf, **kwargs)
 
 
+def test_gibbs_refuses_a_product_key_memory_by_name():
+    """Its keys score and its values message: no CRF factor to sample (it was sampled as a
+    dense global factor of the value tables, the keys never read)."""
+    memory = graphs.CRF(vocab_size=5, labels=2, global_labels=4, global_memory="product_key")
+    with pytest.raises(ValueError, match="a product-key memory is not a CRF factor"):
+        inference.Gibbs(memory)
+
+
 def test_gibbs_refuses_a_run_whose_draws_would_not_fit_before_sampling():
     crf, tokens, mask = case("full", 0, 0)
     # each count within its limit; together 1024 x 10**7 x (per-draw values) > 2**30
