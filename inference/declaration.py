@@ -5,18 +5,15 @@ one by one, and each template is either compiled by the engine or refused when t
 engine is built, with an error that names the factor and the engines that can handle it.
 Nothing is ignored silently.
 
-When a subclass overrides ``CRF.model``, the templates may no longer be the whole model:
-the model is traced once (on a two-token sentence) and every site must be a declared
-variable (``infer["variable"]``: Z, H or G) or a factor site made by one of the CRF's
-templates (``infer["template"]``). Any other site (a raw ``pyro.factor``, a new latent
-variable) is refused by the engines that read templates, not the model: only ``Exact``
-sums the model itself. A CRF whose ``model`` is the generated one needs no trace (and no
-Pyro: an exported model builds its engine without it).
+When a subclass overrides ``CRF.model``, the templates may no longer be the whole model,
+and no trace can prove that they are: a site some sentences never reach, a scale, a mask
+or a blocked site leaves no mark a trace could check. So an overridden model is refused by
+the engines that read templates, not the model; only ``Exact`` sums the model itself. A
+CRF whose ``model`` is the generated one is checked from its templates alone (no Pyro: an
+exported model builds its engine without it).
 """
 
 from __future__ import annotations
-
-import torch
 
 __all__ = ["ENGINES", "engines_for", "compile_templates"]
 
@@ -50,7 +47,13 @@ def compile_templates(crf, engine: str) -> list:
                 f"engines that can: {', '.join(able)}"
             )
     if engine != "Exact" and _model_is_overridden(crf):
-        _check_trace(crf, engine, templates)
+        owner = type(crf).__name__
+        raise ValueError(
+            f"{engine} cannot compile {owner}.model: it overrides CRF.model, and {engine} reads the CRF's "
+            "templates, not its model, so whatever the override adds or changes (a site, a scale, a mask, a "
+            "blocked site) would be ignored; engines that can: Exact. Declare an extra factor as a graphs.Factor "
+            "in CRF(factors=[...]) instead"
+        )
     return templates
 
 
@@ -58,32 +61,3 @@ def _model_is_overridden(crf) -> bool:
     from graphs.crf import CRF
 
     return type(crf).model is not CRF.model
-
-
-def _check_trace(crf, engine: str, templates: list) -> None:
-    """Every site of ``crf.model`` on a two-token sentence is a variable or a template's."""
-    from pyro import poutine
-    from pyro.poutine.util import site_is_subsample
-
-    tokens = torch.zeros(1, 2, dtype=torch.long, device=crf.unary.device)
-    with torch.no_grad():
-        trace = poutine.trace(crf.model).get_trace(tokens)
-    known = {t.template for t in templates}
-    owner = type(crf).__name__
-    for name, site in trace.nodes.items():
-        if site["type"] != "sample" or site_is_subsample(site):
-            continue
-        if site["is_observed"]:
-            template = site["infer"].get("template")
-            if template not in known:
-                made = "not made by a template" if template is None else f"made by {template!r}, not in crf.templates()"
-                raise ValueError(
-                    f"{engine} cannot compile factor site {name!r} of {owner}.model ({made}): {engine} reads the "
-                    f"templates, not the model, and would ignore it; engines that can: Exact. Declare it as a "
-                    f"graphs.Factor in CRF(factors=[...]) instead"
-                )
-        elif site["infer"].get("variable") not in ("Z", "H", "G"):
-            raise ValueError(
-                f"{engine} cannot compile latent site {name!r} of {owner}.model (not a declared Z, H or G "
-                f"variable); engines that can: Exact"
-            )

@@ -13,26 +13,37 @@ import inference
 from graphs.factors import Pairwise
 from tests.builders import FirstLastAgree
 
+OVERRIDES = {
+    "a raw factor": lambda crf, tokens, mask: pyro.factor("bonus", torch.full((), 1.0)),
+    "a new latent": lambda crf, tokens, mask: pyro.sample(
+        "extra", pyro.distributions.Categorical(logits=torch.zeros(2))
+    ),
+    "a factor only longer sentences reach": lambda crf, tokens, mask: (
+        pyro.factor("skip", torch.full((), 1.0)) if tokens.shape[1] > 2 else None
+    ),
+    "nothing added": lambda crf, tokens, mask: None,
+}
 
-def test_a_raw_factor_in_an_overridden_model_is_refused_by_every_engine_that_would_ignore_it():
-    class WithBonus(graphs.CRF):
+
+@pytest.mark.parametrize("added", sorted(OVERRIDES))
+@pytest.mark.parametrize("scaled", [False, True])
+def test_an_overridden_model_is_refused_by_every_engine_that_reads_templates(added, scaled):
+    """Whatever the override does (a site, a site a two-token trace never reaches, a scale
+    around the whole model, or nothing), the engines that read the templates would not see
+    it: refused by name; Exact sums the model itself."""
+
+    class Overridden(graphs.CRF):
         def model(self, tokens, mask=None):
-            super().model(tokens, mask)
-            pyro.factor("bonus", torch.full((), 1.0))
+            with poutine.scale(scale=2.0 if scaled else 1.0):
+                super().model(tokens, mask)
+                OVERRIDES[added](self, tokens, mask)
 
-    crf = WithBonus(vocab_size=4, labels=2)
-    for engine in (inference.MeanField, inference.Gibbs):
-        with pytest.raises(ValueError, match=r"cannot compile factor site 'bonus' of WithBonus.model"):
+    crf = Overridden(vocab_size=4, labels=2)
+    for engine in (inference.MeanField, inference.Gibbs, inference.TemperedSMC):
+        with pytest.raises(ValueError, match=r"cannot compile Overridden.model: it overrides CRF.model"):
             engine(crf)
-    inference.Exact(crf)  # sums the model itself
-
-    class WithLatent(graphs.CRF):
-        def model(self, tokens, mask=None):
-            super().model(tokens, mask)
-            pyro.sample("extra", pyro.distributions.Categorical(logits=torch.zeros(2)))
-
-    with pytest.raises(ValueError, match=r"latent site 'extra' of WithLatent.model"):
-        inference.MeanField(WithLatent(vocab_size=4, labels=2))
+    if added != "a new latent" and not scaled:
+        inference.Exact(crf).log_partition(torch.tensor([[1, 2, 3]]))  # sums the model itself
 
 
 def test_every_site_of_the_generated_model_names_its_template():

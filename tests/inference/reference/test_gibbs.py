@@ -144,7 +144,7 @@ def test_gibbs_refuses_a_raw_factor_site_it_would_ignore():
 
     crf = Extra(vocab_size=4, labels=2)
     with pytest.raises(
-        ValueError, match=r"Gibbs cannot compile factor site 'bonus' of Extra.model .*engines that can: Exact"
+        ValueError, match=r"Gibbs cannot compile Extra.model: it overrides CRF.model.*engines that can: Exact"
     ):
         inference.Gibbs(crf)
     plain = graphs.CRF(vocab_size=4, labels=2)
