@@ -107,6 +107,10 @@ class Factor(nn.Module):
         factor_site(self.name, value.reshape(*lead, B), self.template)
 
 
+# what a Pairwise means: the engines read its table through these, and nothing else
+PAIRWISE_SEMANTICS = ("log_potential", "expected_log_potential", "message", "tables", "arcs", "add_to_model")
+
+
 class Pairwise(Factor):
     """Label-label potentials on the arcs of a topology: ``table [K, d, d]``, one ``[d, d]``
     table per distance group k(i, j) (``gamma`` as in ``graphs.CRF``; ``2 * (gamma + 1)``
@@ -138,6 +142,15 @@ class Pairwise(Factor):
     def check(self, crf) -> None:
         if self.labels != crf.labels:
             raise ValueError(f"Pairwise(labels={self.labels}) does not match the CRF's labels={crf.labels}")
+        # the engines compile a Pairwise from its table: a subclass that scores otherwise would be
+        # one factor to crf.log_potential and another to every engine
+        changed = [name for name in PAIRWISE_SEMANTICS if getattr(type(self), name) is not getattr(Pairwise, name)]
+        if changed:
+            raise TypeError(
+                f"{type(self).__name__} overrides Pairwise.{', Pairwise.'.join(changed)}: the engines compile a "
+                "Pairwise from its table, so they would not see the change; derive a factor that scores otherwise "
+                "from graphs.Factor (log_potential, and expected_log_potential for MeanField)"
+            )
 
     def arcs(self, mask: torch.Tensor) -> torch.Tensor:
         """``[B, n, n]`` the arcs between real tokens of each row."""

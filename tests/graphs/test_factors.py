@@ -186,3 +186,24 @@ def test_a_factor_without_log_potential_says_what_to_implement():
     crf = graphs.CRF(vocab_size=4, labels=2, factors=[Empty()])
     with pytest.raises(NotImplementedError, match=r"Empty must implement log_potential\(z, tokens, mask\)"):
         inference.Exact(crf).log_partition(torch.tensor([[1, 2]]))
+
+
+@pytest.mark.parametrize(
+    "method", ["log_potential", "expected_log_potential", "message", "tables", "arcs", "add_to_model"]
+)
+def test_a_pairwise_subclass_that_scores_otherwise_is_refused_by_name(method):
+    """The engines compile a Pairwise from its table: an override of how it scores would be
+    one factor to crf.log_potential and another to Exact, MeanField and Gibbs."""
+
+    def override(self, *args, **kwargs):
+        return getattr(Pairwise, method)(self, *args, **kwargs)
+
+    Changed = type("Changed", (Pairwise,), {method: override})
+    with pytest.raises(TypeError, match=rf"Changed overrides Pairwise.{method}: .*from graphs.Factor"):
+        graphs.CRF(vocab_size=4, labels=2, factors=[Changed(2)])
+
+    class Renamed(Pairwise):  # a new constructor only: still the table's factor
+        def __init__(self, labels):
+            super().__init__(labels, "window(2)")
+
+    graphs.CRF(vocab_size=4, labels=2, factors=[Renamed(2)])
