@@ -8,6 +8,8 @@ the dict ``Topology.to_data()`` stores (``from_data``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Callable, Collection
 
@@ -143,8 +145,9 @@ def arc_table(arcs: list, n_max: int) -> tuple[str, Callable[[int], torch.Tensor
         return table[:n, :n]
 
     data = {"arcs": [list(a) for a in arcs], "n_max": n_max}
-    digest = sum((i * n_max + j + 1) * 2654435761 for i, j in arcs) % 16**6  # tells two arc sets apart in a name
-    return f"arcs(n_max={n_max}, {len(arcs)} arcs, #{digest:06x})", build, data
+    # a name tells two arc sets apart: a digest of the arcs themselves (a sum of them collided)
+    digest = hashlib.sha256(json.dumps(data["arcs"]).encode()).hexdigest()[:12]
+    return f"arcs(n_max={n_max}, {len(arcs)} arcs, #{digest})", build, data
 
 
 def arcs_of_callable(build: Callable) -> tuple[str, Callable[[int], torch.Tensor]]:
