@@ -173,13 +173,10 @@ def check_declared(model: nn.Module) -> None:
 
 
 def undeclared_factors(model: nn.Module) -> list[str]:
-    """A PT's extra factors that its config does not declare (``PTConfig(pairwise=...)``
-    declares one ``Pairwise``), as "'name' (Class)": user factors added to
-    ``model.crf.factors`` are Python code, which a saved model never holds."""
-    if registry.kind_of(model) != "probabilistic_transformer":
-        return []
-    declared = 1 if model.config.pairwise else 0
-    return [f"{factor.name!r} ({type(factor).__name__})" for factor in list(model.crf.factors)[declared:]]
+    """A PT's factors that its config does not declare (``PTConfig(pairwise=...)`` declares
+    one ``Pairwise``; another in its place counts), as "'name' (Class)": user factors added
+    to ``model.crf.factors`` are Python code, which a saved model never holds."""
+    return model.undeclared_factors() if registry.kind_of(model) == "probabilistic_transformer" else []
 
 
 def save_pretrained(model: nn.Module, save_directory) -> Path:

@@ -210,6 +210,20 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
             if field.name != "kernel" and getattr(actual, field.name) != getattr(declared, field.name)
         ]
 
+    def undeclared_factors(self) -> list[str]:
+        """The factors of ``self.crf`` that the config does not declare, as "'name' (Class)":
+        all of them without ``pairwise``; with it, all but a first one that is that Pairwise."""
+        config, factors = self.config, list(self.crf.factors)
+        named = [f"{factor.name or 'unnamed'!r} ({type(factor).__name__})" for factor in factors]
+        if not config.pairwise:
+            return named
+        if not factors:
+            return ["the config's Pairwise (removed from model.crf.factors)"]
+        first = factors[0]
+        wanted = (config.labels, graphs.topology.parse(config.pairwise).name, config.pairwise_gamma)
+        same = type(first) is graphs.factors.Pairwise and (first.labels, first.topology.name, first.gamma) == wanted
+        return named[1 if same else 0 :]
+
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         """Task logits (``[B, n, V]`` for mlm, ``[B, n, classes]`` for tagging,
         ``[B, classes]`` for classification) and the mean-field ``Posterior``."""

@@ -391,3 +391,27 @@ def test_a_run_config_takes_the_aliases():
     canonical = {"kind": "probabilistic_transformer", "labels": 8, "channels": 2, "rank": 3, "iterations": 2}
     build = [RunConfig.from_dict({"model": model}).model_config(vocab_size=VOCAB) for model in (aliased, canonical)]
     assert build[0] == build[1]
+
+
+def test_a_pairwise_factor_other_than_the_declared_one_is_refused_on_save(tmp_path):
+    """The config declares Pairwise(labels, 'chain()', 0): another topology, gamma or class in
+    its place, or none, would reload as the declared one (only the first factor was let by)."""
+    from graphs.factors import Pairwise
+
+    def pt():
+        torch.manual_seed(0)
+        return registry.build(
+            "probabilistic_transformer", {**CONFIGS["probabilistic_transformer"], "pairwise": "chain()"}
+        )
+
+    pretrained.save_pretrained(pt(), tmp_path / "declared")  # the declared factor itself
+    labels = CONFIGS["probabilistic_transformer"]["labels"]
+    for name, replacement in (("window", Pairwise(labels, "window(2)")), ("gamma", Pairwise(labels, "chain()", 1))):
+        model = pt()
+        model.crf.factors[0] = replacement
+        with pytest.raises(ValueError, match=r"cannot save the factor\(s\) '\w+' \(Pairwise\)"):
+            pretrained.save_pretrained(model, tmp_path / name)
+    removed = pt()
+    del removed.crf.factors[0]
+    with pytest.raises(ValueError, match=r"the config's Pairwise \(removed"):
+        pretrained.save_pretrained(removed, tmp_path / "removed")
