@@ -98,7 +98,9 @@ def log_partition(function, args, kwargs, max_configurations: int) -> torch.Tens
         if site["type"] != "sample":
             continue
         log_prob = site["packed"]["unscaled_log_prob"]
-        if site["packed"].get("mask") is not None:
+        # a mask drops an observation's term; an enumerated latent keeps its prior (it sums to
+        # 1 where nothing reads it: Pyro's obs_mask idiom), as Pyro's TraceEnum_ELBO does
+        if site["is_observed"] and site["packed"].get("mask") is not None:
             log_prob = packed.scale_and_mask(log_prob, mask=site["packed"]["mask"])
         tree.setdefault(_find_ordinal(model_trace, site), []).append(_wide(log_prob))
         if not site["is_observed"]:

@@ -11,6 +11,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyro import poutine
 
 import graphs
@@ -322,3 +323,22 @@ def test_exact_refuses_a_scaled_site_by_name_where_it_would_sum_it_unscaled(scal
     terms = [3.0 * dist.Normal(float(z), 1.0).log_prob(data[0]).item() for z in (0, 1)]
     expected = math.log(0.5 * math.exp(terms[0]) + 0.5 * math.exp(terms[1]))
     assert inference.Exact(tempered).log_partition().item() == pytest.approx(expected, abs=1e-6)
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=5), st.floats(0.05, 0.95))
+def test_exact_of_pyros_missing_data_idiom_sums_only_the_observed_terms(observed, prior):
+    """obs_mask: a masked-out observation becomes an enumerated latent that nothing reads;
+    log Z is log p(observed y) written here (it was log 2 too high per missing value)."""
+    y = torch.tensor([float(k % 2) for k in range(len(observed))])
+    seen = torch.tensor(observed)
+
+    def model():
+        x = pyro.sample("x", dist.Bernoulli(prior))
+        with pyro.plate("data", len(observed)):
+            pyro.sample("y", dist.Bernoulli(0.2 + 0.6 * x), obs=y, obs_mask=seen)
+
+    def likelihood(x):
+        return math.prod((0.2 + 0.6 * x) if v else (0.8 - 0.6 * x) for v, o in zip(y.tolist(), observed) if o)
+
+    expected = math.log((1 - prior) * likelihood(0) + prior * likelihood(1))
+    assert inference.Exact(model).log_partition().item() == pytest.approx(expected, abs=1e-6)
