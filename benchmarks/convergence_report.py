@@ -98,8 +98,10 @@ def summarise(arm: Arm, seed: int) -> dict:
 
 
 def mean_curve(rows: list[dict], config: str) -> list[float]:
-    """The mean over seeds at each epoch every seed of ``config`` has reached."""
-    curves = [r["curve"] for r in rows if r["config"] == config and r["curve"]]
+    """The mean over seeds at each epoch every seed of ``config`` has reached, a diverged
+    seed's curve cut before its divergence (a mean with 1e40 in it compares nothing)."""
+    curves = [r["curve"][: r["diverged_at"] - 1] if r.get("diverged_at") else r["curve"] for r in rows]
+    curves = [c for r, c in zip(rows, curves) if r["config"] == config and c]
     if not curves:
         return []
     return [statistics.mean(c[e] for c in curves) for e in range(min(len(c) for c in curves))]

@@ -75,6 +75,14 @@ def test_each_seed_crossing_is_read_from_that_seeds_curves_alone():
     assert seed_by_seed(rows, "pt", "bert") == "s0 2-3; s1 none in 2 epoch(s)"
 
 
+def test_the_mean_curve_stops_before_a_seed_diverged():
+    rows = [
+        {"config": "pt-small", "curve": [10.0, 8.0, 1e40, 1e30], "diverged_at": 3},
+        {"config": "pt-small", "curve": [12.0, 6.0, 5.0, 4.0], "diverged_at": None},
+    ]
+    assert mean_curve(rows, "pt-small") == [11.0, 7.0]
+
+
 def test_the_mean_curve_stops_at_the_shortest_seed():
     rows = [
         {"config": "pt-small", "curve": [10.0, 8.0, 7.0]},
