@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from probformer.deploy.reader import EXPORTED_FORMAT, ONNX_FORMAT, TORCH_FORMAT, load
-from probformer.models import pretrained, registry
+from probformer.models import declared, pretrained, registry
 from probformer.models.blocks import check_token_inputs
 
 __all__ = ["export", "load", "traced_module", "FORMATS", "TOLERANCE"]
@@ -177,10 +177,10 @@ def _source_model(model, vocabulary, format: str) -> tuple[nn.Module, object, li
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a probformer model or a checkpoint path, got {type(model).__name__}")
     kind = registry.kind_of(model)  # raises for a foreign module
-    pretrained.check_declared(model)
+    declared.check_declared(model)
     if format != "torch":
         _refuse_untraceable(kind, model, format)
-    undeclared = pretrained.undeclared_factors(model)
+    undeclared = declared.undeclared_factors(model)
     _refuse_undeclared_factors(undeclared, format)
     return model, vocabulary, undeclared
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from probformer.models import registry
 from probformer.models.blocks import non_finite
+from probformer.models.declared import check_declared, undeclared_factors
 
 __all__ = ["PretrainedMixin", "save_pretrained", "from_pretrained", "load_files", "folder_files", "model_folder"]
 __all__ += ["write_folder", "TORCH_FORMAT", "FOLDER_FORMATS"]
@@ -88,8 +89,17 @@ def read_bytes(path: Path, limit: int, what: str) -> bytes:
 
 
 def read_json(path: Path):
+    """A model folder's JSON; a key given twice in one object is refused (readers disagree on
+    which value wins)."""
+
+    def unique(pairs):
+        found = dict(pairs)
+        if len(found) < len(pairs):
+            raise ValueError(f"{path} gives a key more than once in one object ({len(pairs) - len(found)} repeats)")
+        return found
+
     try:
-        return json.loads(read_bytes(path, LIMITS["json"], "json").decode("utf-8"))
+        return json.loads(read_bytes(path, LIMITS["json"], "json").decode("utf-8"), object_pairs_hook=unique)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
 
@@ -149,34 +159,6 @@ def least_bytes(model: nn.Module) -> int:
 
 
 # ---- saving --------------------------------------------------------------------------------
-
-
-def check_declared(model: nn.Module) -> None:
-    """A saved model is rebuilt from its config, so it must be what its config declares: a
-    PT topology swapped in, or an engine setting changed (``model.mean_field.iterations``, or
-    ``model.config.iterations``) after construction would be lost, so it is refused."""
-    if registry.kind_of(model) == "probabilistic_transformer":
-        from graphs.topology import parse
-
-        declared, found = parse(model.config.topology).name, model.crf.topology.name
-        if declared != found:
-            raise ValueError(
-                f"topology {found!r} is not the config's ({declared!r}): a saved model stores the config, "
-                "so build the model with the topology in PTConfig(topology=...)"
-            )
-        changed = model.undeclared_engine_settings()
-        if changed:
-            raise ValueError(
-                f"the model's mean-field engine is not what its config declares: {', '.join(changed)}; a saved "
-                "model stores the config, so build the model from a PTConfig with these settings"
-            )
-
-
-def undeclared_factors(model: nn.Module) -> list[str]:
-    """A PT's factors that its config does not declare (``PTConfig(pairwise=...)`` declares
-    one ``Pairwise``; another in its place counts), as "'name' (Class)": user factors added
-    to ``model.crf.factors`` are Python code, which a saved model never holds."""
-    return model.undeclared_factors() if registry.kind_of(model) == "probabilistic_transformer" else []
 
 
 def save_pretrained(model: nn.Module, save_directory) -> Path:

@@ -245,6 +245,21 @@ def test_unknown_config_keys_and_records_are_refused(tmp_path):
         pretrained.from_pretrained(folder)
 
 
+@pytest.mark.parametrize("where", ["record", "config"])
+def test_a_key_given_twice_in_config_json_is_refused(tmp_path, where):
+    """JSON readers disagree on which of two values wins: the file means two things."""
+    folder = tmp_path / "twice"
+    pretrained.save_pretrained(tiny("transformer"), folder)
+    text = (folder / "config.json").read_text()
+    if where == "record":
+        text = text.replace('"model": "transformer"', '"model": "transformer", "model": "transformer"', 1)
+    else:
+        text = text.replace('"width": ', '"width": 8, "width": ', 1)
+    (folder / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=r"config.json gives a key more than once in one object \(1 repeats\)"):
+        pretrained.from_pretrained(folder)
+
+
 def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
     for bad in (float("nan"), float("inf")):
         weights = stored_once(tiny("transformer"))
