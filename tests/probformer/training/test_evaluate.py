@@ -45,26 +45,32 @@ def test_pos_tagging_and_attachment_scores(tmp_path, tiny_ewt):
     assert uas["left_neighbour_baseline"] == pytest.approx(1 / 5)
 
 
+class FixedHeads(torch.nn.Module):
+    """A stand-in PT for attachment_scores: ``channels`` head channels, these virtual nodes,
+    and head marginals ``heads(B, n)`` [B, C, N, N] written by the test."""
+
+    def __init__(self, channels: int, virtual: tuple, heads):
+        super().__init__()
+        self.mean_field, self.heads = True, heads
+        self.crf = type("C", (), {"channels": channels, "topology": type("T", (), {"virtual": virtual})()})()
+
+    def forward(self, tokens, mask):
+        return None, type("P", (), {"h": self.heads(*tokens.shape)})()
+
+
 def test_attachment_scores_of_a_known_posterior(tiny_ewt):
     """A model whose head posterior is 'the next word' scores exactly the right-neighbour
     baseline on the channel that says so."""
     from probformer.training import data
 
-    class NextWord(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mean_field = True
-            self.crf = type("C", (), {"channels": 1, "topology": type("T", (), {"virtual": ()})()})()
-
-        def forward(self, tokens, mask):
-            n = tokens.shape[1]
-            heads = torch.zeros(tokens.shape[0], 1, n, n)
-            heads[:, 0, torch.arange(n - 1), torch.arange(1, n)] = 1
-            return None, type("P", (), {"h": heads})()
+    def next_word(B, n):
+        heads = torch.zeros(B, 1, n, n)
+        heads[:, 0, torch.arange(n - 1), torch.arange(1, n)] = 1
+        return heads
 
     vocabulary = data.Vocabulary.build([["dogs", "bark"]])
     trees = data.read_conllu(tiny_ewt / "en_ewt-ud-dev.conllu")
-    scores = attachment_scores(NextWord(), vocabulary, trees)
+    scores = attachment_scores(FixedHeads(1, (), next_word), vocabulary, trees)
     assert scores["best_channel"] == pytest.approx(scores["right_neighbour_baseline"])
 
 
@@ -74,24 +80,17 @@ def test_attachment_scores_count_only_the_root_node_as_root(tiny_ewt):
     ROOT scores the share of words whose gold head is 0."""
     from probformer.training import data
 
-    class VirtualHeads(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mean_field = True
-            self.crf = type("C", (), {"channels": 2, "topology": type("T", (), {"virtual": ("relay", "root")})()})()
-
-        def forward(self, tokens, mask):
-            B, n = tokens.shape
-            heads = torch.zeros(B, 2, n + 2, n + 2)
-            heads[:, 0, :, n] = 1  # the relay
-            heads[:, 1, :, n + 1] = 1  # ROOT
-            return None, type("P", (), {"h": heads})()
+    def relay_then_root(B, n):
+        heads = torch.zeros(B, 2, n + 2, n + 2)
+        heads[:, 0, :, n] = 1  # the relay
+        heads[:, 1, :, n + 1] = 1  # ROOT
+        return heads
 
     vocabulary = data.Vocabulary.build([["dogs", "bark"]])
     trees = data.read_conllu(tiny_ewt / "en_ewt-ud-dev.conllu")
     roots = sum(head == 0 for tree in trees for head in tree.heads)
     words = sum(len(tree.heads) for tree in trees)
-    scores = attachment_scores(VirtualHeads(), vocabulary, trees)
+    scores = attachment_scores(FixedHeads(2, ("relay", "root"), relay_then_root), vocabulary, trees)
     assert roots > 0 and scores["per_channel"] == pytest.approx([0.0, roots / words])
 
 
@@ -101,21 +100,14 @@ def test_a_word_with_no_legal_head_is_never_credited_with_one():
     words 2, 3 and 4 depend on word 1 (4 words): 0 and 2 / 4."""
     from probformer.training import data
 
-    class NoHeads(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mean_field = True
-            self.crf = type("C", (), {"channels": 2, "topology": type("T", (), {"virtual": ()})()})()
-
-        def forward(self, tokens, mask):
-            B, n = tokens.shape
-            heads = torch.zeros(B, 2, n, n)
-            heads[:, 1, [1, 3], 0] = 1.0
-            return None, type("P", (), {"h": heads})()
+    def some_heads(B, n):
+        heads = torch.zeros(B, 2, n, n)
+        heads[:, 1, [1, 3], 0] = 1.0
+        return heads
 
     words = ["a", "b", "c", "d"]
     tree = data.TreebankSentence(words=words, upos=["X"] * 4, heads=[0, 1, 1, 1])
-    scores = attachment_scores(NoHeads(), data.Vocabulary.build([words]), [tree])
+    scores = attachment_scores(FixedHeads(2, (), some_heads), data.Vocabulary.build([words]), [tree])
     assert scores["per_channel"] == pytest.approx([0.0, 0.5])
 
 
