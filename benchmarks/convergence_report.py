@@ -70,9 +70,11 @@ def diverged_at(points: list[float]) -> int | None:
     return None
 
 
-def ppl(value: float) -> str:
-    """A perplexity as the tables print it: one decimal, or powers of ten past a million."""
-    return f"{value:.1f}" if value < 1e6 else f"{value:.2e}"
+def ppl(value: float, signed: bool = False) -> str:
+    """A perplexity (or, ``signed``, a gap between two) as the report prints it: one
+    decimal, or powers of ten past a million."""
+    sign = "+" if signed else ""
+    return f"{value:{sign}.1f}" if abs(value) < 1e6 else f"{value:{sign}.2e}"
 
 
 def summarise(arm: Arm, seed: int) -> dict:
@@ -112,10 +114,6 @@ def sign_changes(gaps: list[float]) -> list[int]:
     return [e for e in range(1, len(gaps)) if (gaps[e] > 0) != (gaps[e - 1] > 0)]
 
 
-def gap_text(gap: float) -> str:
-    return f"{gap:+.1f}" if abs(gap) < 1e6 else f"{gap:+.2e}"
-
-
 def crossing(pt: list[float], baseline: list[float]) -> str:
     """Where PT's curve crosses the baseline's (every crossing, then the gaps since the
     first), or how the gap moves so far."""
@@ -127,13 +125,13 @@ def crossing(pt: list[float], baseline: list[float]) -> str:
     if flips:
         where = ", then ".join(f"between epochs {e} and {e + 1}" for e in flips)
         ahead = "PT" if gaps[-1] > 0 else "the baseline"
-        since = ", ".join(gap_text(g) for g in gaps[flips[0] - 1 :])
+        since = ", ".join(ppl(g, signed=True) for g in gaps[flips[0] - 1 :])
         return (
             f"the curves cross {where}; {ahead} is ahead at epoch {common}; "
             f"gap (baseline − PT) from epoch {flips[0]} on: {since}"
         )
     text = f"no crossing in {common} common epoch(s); gap (baseline − PT) by epoch: " + ", ".join(
-        gap_text(g) for g in gaps
+        ppl(g, signed=True) for g in gaps
     )
     if common >= 3 and abs(gaps[-1]) < abs(gaps[-3]):
         rate = (abs(gaps[-3]) - abs(gaps[-1])) / 2
