@@ -21,6 +21,7 @@ sentences are left out and counted (``skipped_too_long``).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -191,18 +192,17 @@ def _trained_mask_rate(path) -> float:
     """The masking rate the run trained with (its run.json: a run folder, its model folder or
     one of its checkpoints), else the default's: a perplexity read at another rate is
     another number."""
-    import json
-
     path = Path(path)
-    for folder in (path, path.parent, path.parent.parent):
-        if (folder / "run.json").is_file():
-            return json.loads((folder / "run.json").read_text())["data"]["mask_rate"]
+    for record in (folder / "run.json" for folder in (path, path.parent, path.parent.parent)):
+        if record.is_file():
+            try:
+                return float(json.loads(record.read_text())["data"]["mask_rate"])
+            except (ValueError, KeyError, TypeError):  # not silently the default: this run said otherwise
+                raise ValueError(f"{record} records no readable data.mask_rate") from None
     return DataConfig().mask_rate
 
 
 def _checkpoint_tags(path) -> list[str]:
-    import json
-
     path = Path(path)
     for candidate in (path / "tags.json", path / "model" / "tags.json"):
         if candidate.is_file():

@@ -138,3 +138,6 @@ def test_mlm_evaluation_masks_at_the_rate_the_run_trained_with(tmp_path):
         assert _trained_mask_rate(where) == 0.5
     (tmp_path / "bare").mkdir()
     assert _trained_mask_rate(tmp_path / "bare") == 0.15
+    (run / "run.json").write_text(json.dumps({"data": {}}))  # a run that says nothing is not the default
+    with pytest.raises(ValueError, match="records no readable data.mask_rate"):
+        _trained_mask_rate(run / "model")
