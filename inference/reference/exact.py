@@ -35,6 +35,7 @@ import math
 import opt_einsum
 import torch
 from pyro import poutine
+from pyro.distributions.util import scale_and_mask
 from pyro.infer import config_enumerate
 from pyro.ops.special import safe_log
 from pyro.poutine.util import site_is_subsample
@@ -166,6 +167,10 @@ class Exact:
             if site["type"] != "sample" or site_is_subsample(site):
                 continue
             log_prob = site["log_prob"]
+            if not site["is_observed"] and site["mask"] is not None:
+                # a mask drops an observation's term; an enumerated latent keeps its prior (it sums
+                # to 1 where nothing reads it), as Pyro's TraceEnum_ELBO and the function path do
+                log_prob = scale_and_mask(site["unscaled_log_prob"], site["scale"])
             log_prob = log_prob.expand(*log_prob.shape[:-1], B) if log_prob.dim() else log_prob.expand(B)
             own = None
             if not site["is_observed"]:

@@ -342,3 +342,44 @@ def test_exact_of_pyros_missing_data_idiom_sums_only_the_observed_terms(observed
 
     expected = math.log((1 - prior) * likelihood(0) + prior * likelihood(1))
     assert inference.Exact(model).log_partition().item() == pytest.approx(expected, abs=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 3), st.integers(2, 3), st.integers(2, 4), st.integers(0, 2**16))
+def test_exact_of_an_overridden_crf_model_under_a_mask_keeps_its_latents_priors(n, labels, extra, seed):
+    """A CRF model that adds, under ``poutine.mask(False)``, a latent nothing reads and a
+    factor: the masked factor drops out and the latent sums to one (as in Pyro's obs_mask
+    idiom), so log Z and the label marginals are the plain CRF's, enumerated independently
+    here. The latent's prior was masked too, which added log(extra) to log Z."""
+    torch.manual_seed(seed)
+
+    class MaskedExtra(graphs.CRF):
+        def model(self, tokens, mask=None):
+            super().model(tokens, mask)
+            with poutine.mask(mask=False):
+                pyro.sample("extra", dist.Categorical(logits=torch.zeros(extra)))
+                pyro.factor("bonus", torch.full((), 5.0))
+
+    crf = MaskedExtra(vocab_size=5, labels=labels, topology="full")
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.normal_()
+    tokens = torch.randint(0, 5, (1, n))
+    expected_log_z, expected_marginals = enumerated_label_marginals(crf, tokens)
+    with torch.no_grad():
+        posterior = inference.Exact(crf).marginals(tokens)
+    assert posterior.log_partition.item() == pytest.approx(expected_log_z, abs=1e-5)
+    assert torch.allclose(posterior.z[0].double(), expected_marginals, atol=1e-5)
+
+
+def test_exact_of_a_crf_model_masked_whole_sums_uniform_latents_to_log_one():
+    """Every factor masked out and every latent a uniform prior: the total mass is 1."""
+
+    class MaskedWhole(graphs.CRF):
+        def model(self, tokens, mask=None):
+            with poutine.mask(mask=False):
+                super().model(tokens, mask)
+
+    crf = MaskedWhole(vocab_size=4, labels=2, global_labels=2)
+    log_z = inference.Exact(crf).log_partition(torch.tensor([[1, 2, 3]]))
+    assert log_z.item() == pytest.approx(0.0, abs=1e-12)
