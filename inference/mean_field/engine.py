@@ -322,9 +322,18 @@ class MeanField(nn.Module):
 
     def forward(self, tokens=None, mask=None, confidence=None, embeddings=None) -> Posterior:
         """``confidence``: label logits ``[B, N, d]`` -> ``[B, N]``, the confidence that
-        ends a token under ``halting="exit"`` (at inference; ignored otherwise).
+        ends a token under ``halting="exit"``: needed at inference (in training every
+        iteration runs and it is ignored); ``confidence=False`` runs every iteration.
         ``embeddings [B, n, D]`` instead of ``tokens``: a CRF with ``embedding_size=D``,
         whose unary potentials are ``embeddings @ crf.unary``."""
+        if self.options.halting == "exit" and not self.training and confidence is None:
+            # without it no token could exit: the engine would silently run as halting="none"
+            raise ValueError(
+                "halting='exit' at inference needs confidence=, a function of the label logits "
+                "[B, N, d] -> [B, N] (e.g. lambda logits: logits.softmax(-1).amax(-1)); "
+                "confidence=False runs every iteration"
+            )
+        confidence = None if confidence is False else confidence
         tokens, mask, structure = self.structure(tokens, mask, embeddings)
         kernel = self.resolved_kernel(structure.nodes.shape[1], tokens.device)
         factors = getattr(self.crf, "factors", ())

@@ -99,7 +99,8 @@ def inference_gap(
     model.eval()  # no dropout: the q the model predicts with
     try:
         with torch.no_grad():
-            posterior = engine(tokens, mask)
+            exit_confidence = getattr(model, "exit_confidence", None)  # halted tokens: the q it predicts with
+            posterior = engine(tokens, mask, confidence=exit_confidence(mask) if exit_confidence else None)
             elbo = posterior.elbo.double()
             sampler = TemperedSMC(crf, num_particles=particles, replicates=replicates, target_ess=target_ess, seed=seed)
             result = sampler.run(tokens, mask, proposal=posterior)

@@ -231,16 +231,23 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
             mask = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
         # tokens and mask are checked once, by the engine (MeanField.structure): a second
         # check here read their values again (a host synchronisation on a GPU)
-        confidence = None
-        if self.config.halting == "exit" and not self.training:
-
-            def confidence(logits):  # the output distribution's top probability; virtual nodes never exit
-                top = self.head(logits, mask).softmax(-1).amax(-1)
-                return F.pad(top, (0, logits.shape[1] - top.shape[1]))
-
         refuse_non_finite_parameters(self)  # the head and halting unit too (the engine checks the CRF)
-        posterior = self.mean_field(tokens, mask, confidence=confidence)
+        posterior = self.mean_field(tokens, mask, confidence=self.exit_confidence(mask))
         return self.head(posterior.logits, mask), posterior
+
+    def exit_confidence(self, mask: torch.Tensor):
+        """What ends a token under ``halting="exit"`` (the engine's ``confidence``): the task
+        head's top probability on the token's label logits; virtual nodes never exit. None
+        without exit or in training (every iteration runs). Forward, the diagnostic trace
+        and the inference gap all read the q this gives."""
+        if self.config.halting != "exit" or self.training:
+            return None
+
+        def confidence(logits):
+            top = self.head(logits, mask).softmax(-1).amax(-1)
+            return F.pad(top, (0, logits.shape[1] - top.shape[1]))
+
+        return confidence
 
     def auxiliary_loss(self, posterior, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """What the trainer adds to the task loss: ACT's ponder cost, the span penalty and,
@@ -264,7 +271,7 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
         token label logits ``hidden [T, B, n, d]``, the head marginals (attention)
         ``[T, B, C, n, n]`` and the mean-field ELBO ``[T, B]``."""
         tokens, mask = self.crf.check_inputs(tokens, mask)
-        trace = self.mean_field(tokens, mask).trace
+        trace = self.mean_field(tokens, mask, confidence=self.exit_confidence(mask)).trace
         n = tokens.shape[1]
         found = {"hidden": trace["logits"][:, :, :n], "attention": trace["heads"][..., :n, :n]}
         if "elbo" in trace:  # not for a product-key memory

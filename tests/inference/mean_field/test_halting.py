@@ -2,6 +2,7 @@
 weights, remainders and ponder cost, gradients to the halting unit, one traced graph, and
 exit at threshold one as the plain engine."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -97,3 +98,15 @@ def test_exit_at_threshold_one_is_the_plain_engine_and_low_thresholds_stop_at_on
     assert torch.equal(at_once.logits, at_once.history[0] * nodes[..., None])
     exiting.train()  # exit is an inference rule: training runs every iteration
     assert exiting(tokens, mask, confidence=confidence).halting is None
+
+
+def test_exit_at_inference_without_a_confidence_is_refused_and_false_runs_every_iteration():
+    """No confidence means no token can exit: it ran silently as halting="none"."""
+    tokens, mask = batch()
+    plain = inference.MeanField(crf(), iterations=4).eval()
+    exiting = inference.MeanField(crf(), iterations=4, halting="exit", exit_threshold=1e-9).eval()
+    with pytest.raises(ValueError, match=r"halting='exit' at inference needs confidence="):
+        exiting(tokens, mask)
+    assert torch.equal(exiting(tokens, mask, confidence=False).logits, plain(tokens, mask).logits)
+    exiting.train()  # training runs every iteration: nothing to refuse
+    assert torch.equal(exiting(tokens, mask).logits, plain.train()(tokens, mask).logits)

@@ -69,6 +69,27 @@ def test_exit_uses_the_task_heads_confidence_at_inference():
     assert torch.allclose(logits, exiting.head(posterior.history[0], mask))
 
 
+def test_the_diagnostic_trace_and_inference_gap_read_the_q_an_exiting_model_predicts_with():
+    """Tokens that exit at once keep their first iteration's logits in forward; the trace
+    and the gap ran every iteration instead, describing another q."""
+    from probformer.diagnostics.inference_gap import inference_gap
+
+    tokens, mask, _ = batch()
+    exiting = model(halting="exit", exit_threshold=1e-9).eval()
+    with torch.no_grad():
+        _, posterior = exiting(tokens, mask)
+        trace = exiting.diagnostic_trace(tokens, mask)
+    n = tokens.shape[1]
+    first = posterior.history[0][:, :n]
+    for t in range(trace["hidden"].shape[0]):  # frozen after the first iteration, where real
+        assert torch.equal(trace["hidden"][t][mask], first[mask])
+    assert torch.equal(trace["hidden"][-1], posterior.logits[:, :n])
+    gap = inference_gap(exiting, tokens[:1, :3], particles=8, replicates=3)
+    with torch.no_grad():
+        expected = exiting(tokens[:1, :3])[1].elbo.double()
+    assert gap.elbo == pytest.approx(expected.numpy(), abs=1e-9)
+
+
 TINY = """
 [model]
 kind = "probabilistic_transformer"
