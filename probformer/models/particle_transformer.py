@@ -259,6 +259,7 @@ class ParticleTransformer(nn.Module, PretrainedMixin):
             log_weights = log_weights + log_attention_mass(attention, mask)
             log_weights = log_weights - log_weights.logsumexp(-1, keepdim=True) + mask.sum(-1, keepdim=True).log()
             ess = normalised_ess(log_weights, mask)
+            trace["log_weights"].append(log_weights)  # before resampling resets them: what ess reads
             resampled, ancestors = torch.zeros(B, dtype=torch.bool, device=x.device), identity
             if self.config.resampling != "none" and (index + 1) % self.config.resample_every == 0:
                 always = self.config.ess_threshold >= 1
@@ -268,7 +269,6 @@ class ParticleTransformer(nn.Module, PretrainedMixin):
                 else:
                     x, ancestors = self.resample_mix(x, attention, mask, resampled)
                 log_weights = torch.where(resampled[:, None] & mask, 0.0, log_weights)
-            trace["log_weights"].append(log_weights)
             trace["ess"].append(ess)
             trace["resampled"].append(resampled)
             trace["ancestors"].append(ancestors)
@@ -280,6 +280,6 @@ class ParticleTransformer(nn.Module, PretrainedMixin):
     def diagnostic_trace(self, tokens, mask=None) -> dict:
         """The diagnostics protocol (``probformer.diagnostics.report``): per layer the
         token states ``hidden [L, B, n, D]``, attention ``[L, B, H, n, n]`` and the
-        importance log-weights ``[L, B, n]``."""
+        importance log-weights ``[L, B, n]`` before each layer's resampling."""
         _, trace = self(tokens, mask)
         return {"hidden": trace["hidden"], "attention": trace["attention"], "log_weights": trace["log_weights"]}

@@ -287,3 +287,36 @@ def test_diagnose_cli_writes_the_report(tmp_path, capsys):
     assert (tmp_path / "out" / "report.nc").stat().st_size > 0
     assert cli.main(["diagnose", str(tmp_path / "ck"), "--data", "nowhere.txt", "--out", str(tmp_path / "o2")]) == 2
     assert "probformer diagnose: error: " in capsys.readouterr().err  # one line, no traceback
+
+
+def test_a_particle_transformers_smc_ess_is_the_ess_that_decided_its_resampling():
+    """The report read the log-weights after resampling had reset them to 0: every layer that
+    resampled (the most degenerate) showed ESS/n = 1. Here each layer resamples, and the
+    report's ESS is (sum w)^2 / sum w^2 / n of the weights before the reset, by hand."""
+    import probformer as pf
+
+    torch.manual_seed(0)
+    config = pf.ParticleConfig(
+        vocab_size=50,
+        width=16,
+        heads=2,
+        layers=4,
+        ffn_width=32,
+        dropout=0.0,
+        resampling="copy",
+        ess_threshold=1.0,
+        resample_every=1,
+    )
+    model = pf.ParticleTransformer(config).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.qkv.weight.mul_(4.0)  # peaked attention: degenerate weights
+    tokens = torch.randint(0, 50, (3, 24))
+    with torch.no_grad():
+        _, trace = model(tokens)
+    assert trace["resampled"].all()
+    stats = diagnostics.report(model, tokens)["sample_stats"]
+    w = (trace["log_weights"].double() - trace["log_weights"].double().amax(-1, keepdim=True)).exp()
+    by_hand = (w.sum(-1) ** 2 / w.square().sum(-1) / 24).T  # [sentence, layer]
+    assert stats["smc_ess"].values[0] == pytest.approx(by_hand.numpy(), rel=1e-6)
+    assert (by_hand < 0.9).any()  # degenerate somewhere: a reset would have read 1
