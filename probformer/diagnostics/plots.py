@@ -15,6 +15,7 @@ import numpy as np
 
 from probformer.diagnostics.page import write_page
 from probformer.diagnostics.report import VARIABLES
+from probformer.diagnostics.trace_measures import mean_over_sentences
 
 __all__ = ["plot_report", "FIGURES"]
 
@@ -91,12 +92,9 @@ def _ylabel(name: str) -> str:
 
 
 def _mean_over_sentences(array, keep: list[str]) -> np.ndarray:
-    """``array`` averaged over chain and draw (NaN ignored; all-NaN stays NaN), dims ``keep``."""
+    """``array`` averaged over chain and draw (``trace_measures.mean_over_sentences``), dims ``keep``."""
     values = array.transpose("chain", "draw", *keep).values
-    values = values.reshape(-1, *values.shape[2:])
-    finite = np.isfinite(values)
-    count = finite.sum(0)
-    return np.where(count > 0, np.where(finite, values, 0.0).sum(0) / np.maximum(count, 1), np.nan)
+    return mean_over_sentences(values.reshape(-1, *values.shape[2:]))
 
 
 def _per_width(axis, stats, name: str, depth: str, width: str) -> None:

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from probformer.diagnostics.trace_measures import measure
+from probformer.diagnostics.trace_measures import mean_over_sentences, measure
 
 __all__ = ["layer_metrics", "PROBE_MEASURES"]
 
@@ -40,12 +40,6 @@ def layer_metrics(model, tokens: torch.Tensor, mask: torch.Tensor, names=None) -
         dims, values = measures.variables[name]
         axis = dims.index(measures.depth)
         per_layer = np.moveaxis(values, axis, -1).reshape(-1, values.shape[axis])
-        for index, value in enumerate(_nanmean(per_layer)):
+        for index, value in enumerate(mean_over_sentences(per_layer)):
             fields[f"{prefix}/{measures.depth}_{index}"] = float(value)
     return fields
-
-
-def _nanmean(values: np.ndarray) -> np.ndarray:
-    finite = np.isfinite(values)
-    count = finite.sum(0)
-    return np.where(count > 0, np.where(finite, values, 0.0).sum(0) / np.maximum(count, 1), np.nan)

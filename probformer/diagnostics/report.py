@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from inference import arviz_interop
-from probformer.diagnostics.trace_measures import DRAW, Measures, measure
+from probformer.diagnostics.trace_measures import DRAW, Measures, mean_over_sentences, measure
 
 __all__ = ["report", "VARIABLES", "layer_means", "describe", "coordinate_ascent"]
 
@@ -129,7 +129,7 @@ def layer_means(data) -> dict[str, np.ndarray]:
             continue  # per-token and per-cluster arrays are not summarised
         other = [d for d in array.dims if d != depth]
         values = np.moveaxis(array.values, array.dims.index(depth), -1).reshape(-1, array.sizes[depth])
-        means[name] = _nanmean(values) if other else values[0]
+        means[name] = mean_over_sentences(values) if other else values[0]
     return means
 
 
@@ -160,14 +160,6 @@ def describe(data) -> str:
         if stats.attrs.get("schedule"):  # what the curve should do (plots.elbo_title)
             ascent = "coordinate ascent: never falls" if stats.attrs.get("coordinate_ascent") else "need not rise"
             schedule = f"; {stats.attrs['schedule']} schedule, {ascent}"
-        elbo = _nanmean(stats["elbo"].values.reshape(-1, stats.sizes["iteration"]))
+        elbo = mean_over_sentences(stats["elbo"].values.reshape(-1, stats.sizes["iteration"]))
         lines.append(f"ELBO per iteration (nats per sentence{schedule}): " + " ".join(f"{v:.2f}" for v in elbo))
     return "\n".join(lines)
-
-
-def _nanmean(values: np.ndarray) -> np.ndarray:
-    """Mean over axis 0, ignoring NaN; NaN (silently) where every value is NaN."""
-    finite = np.isfinite(values)
-    count = finite.sum(0)
-    total = np.where(finite, values, 0.0).sum(0)
-    return np.where(count > 0, total / np.maximum(count, 1), np.nan)

@@ -30,7 +30,7 @@ import torch
 
 from probformer.diagnostics.estimators import MIN_PSIS_DRAWS, diversity, ess, pareto_k
 
-__all__ = ["Measures", "measure", "dim_names", "DRAW", "TOKEN", "PARTICLE", "CLUSTER"]
+__all__ = ["Measures", "measure", "dim_names", "mean_over_sentences", "DRAW", "TOKEN", "PARTICLE", "CLUSTER"]
 
 DRAW, TOKEN, PARTICLE, CLUSTER = "draw", "token", "particle", "cluster"
 
@@ -197,3 +197,13 @@ def _tailless_as_nan(values: np.ndarray) -> np.ndarray:
     """k-hat of equal weights is -inf (no tail): stored as NaN, like every k with nothing to
     fit; +inf (a few draws hold all the mass) is kept: the worst collapse is never left out."""
     return np.where(np.isneginf(values), np.nan, values)
+
+
+def mean_over_sentences(values: np.ndarray) -> np.ndarray:
+    """Mean over axis 0 (the sentences) of a measure: NaN (nothing measured) is ignored, +inf
+    (a degenerate k-hat) is kept, so the worst collapse is never left out; NaN where every
+    value is NaN."""
+    measured = ~np.isnan(values)
+    count = measured.sum(0)
+    total = np.where(measured, values, 0.0).sum(0)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)

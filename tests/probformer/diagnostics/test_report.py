@@ -320,3 +320,28 @@ def test_a_particle_transformers_smc_ess_is_the_ess_that_decided_its_resampling(
     by_hand = (w.sum(-1) ** 2 / w.square().sum(-1) / 24).T  # [sentence, layer]
     assert stats["smc_ess"].values[0] == pytest.approx(by_hand.numpy(), rel=1e-6)
     assert (by_hand < 0.9).any()  # degenerate somewhere: a reset would have read 1
+
+
+def test_a_degenerate_k_hat_counts_in_every_mean_over_sentences(tmp_path):
+    """Sentence 0 is an attention sink (every query reads token 0: k-hat +inf, "degenerate");
+    sentence 1 is diffuse. Their mean is +inf in the table, the plots and describe(): the
+    means had dropped +inf like NaN and shown only the healthy sentence's k-hat."""
+    from probformer.diagnostics import plots
+
+    n = 30
+    generator = torch.Generator().manual_seed(0)
+    attention = torch.zeros(1, 2, 1, n, n, dtype=torch.float64)
+    attention[0, 0, 0, :, 0] = 1.0
+    attention[0, 1, 0] = torch.rand(n, n, generator=generator, dtype=torch.float64).softmax(-1)
+    hidden = torch.randn(1, 2, n, 4, generator=generator, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = diagnostics.report(HandMade({"hidden": hidden, "attention": attention}), torch.zeros(2, n).long())
+    k = report["sample_stats"]["received_pareto_k"].values[0, :, 0, 0]
+    assert k[0] == math.inf and np.isfinite(k[1])
+    assert diagnostics.layer_means(report)["received_pareto_k"].tolist() == [math.inf]
+    assert plots._mean_over_sentences(report["sample_stats"]["received_pareto_k"], ["layer", "head"]).tolist() == [
+        [math.inf]
+    ]
+    assert " inf " in diagnostics.describe(report)
+    plots.plot_report(report, tmp_path)  # an infinite mean is drawn (clipped), not an error
