@@ -137,16 +137,32 @@ def pareto_k(log_weights, relative_efficiency: float = 1.0) -> ParetoK:
         finite = np.where(np.isneginf(lw), np.finfo(float).min, lw)
         # a degenerate tail (equal or nearly equal weights) makes ArviZ's Pareto fit divide
         # 0 by 0: numpy's RuntimeWarnings leaked into training logs; the non-finite k it gives
-        # is mapped just below: -inf for constant weights, +inf kept (ArviZ's answer when a
-        # few draws hold all the mass: "degenerate", the worst case, never left out), else nan
+        # is mapped just below: -inf for constant weights, +inf read by _unfitted_tail, else nan
         with np.errstate(divide="ignore", invalid="ignore"):
             smoothed, k = arviz_interop.psislw(finite, relative_efficiency)
         constant = np.ptp(lw, axis=-1) == 0  # equal weights: no tail at all
-        k = np.where(constant, -np.inf, np.where(np.isfinite(k) | np.isposinf(k), k, np.nan))
+        k = np.where(np.isposinf(k), _unfitted_tail(finite, relative_efficiency), np.where(np.isfinite(k), k, np.nan))
+        k = np.where(constant, -np.inf, k)
     verdict = np.where(
         np.isnan(k), "unreliable", np.where(k < 0.5, "ok", np.where(k <= threshold, "high", "degenerate"))
     )
     return ParetoK(np.asarray(k), threshold, verdict, np.asarray(smoothed))
+
+
+def _unfitted_tail(log_weights: np.ndarray, relative_efficiency: float) -> np.ndarray:
+    """What ArviZ's k = +inf means, per row: it gives +inf whenever at most 4 draws lie
+    strictly above its tail cutoff (the M+1-th largest weight, M = ceil(min(S / 5,
+    3 sqrt(S / r_eff)))), too few to fit. That is a collapse ("degenerate", +inf) only
+    when those draws hold most of the mass; no draw above the cutoff is a flat top (tied
+    weights: no tail, -inf, as for equal weights); a few light draws are nan (unreliable)."""
+    draws = log_weights.shape[-1]
+    tail = int(math.ceil(min(draws / 5.0, 3 * (draws / relative_efficiency) ** 0.5)))
+    x = log_weights - log_weights.max(-1, keepdims=True)
+    cutoff = np.maximum(np.sort(x, axis=-1)[..., -tail - 1], np.log(np.finfo(float).tiny))  # as ArviZ cuts
+    above = x > cutoff[..., None]
+    weights = np.exp(x)
+    share = np.where(above, weights, 0.0).sum(-1) / weights.sum(-1)
+    return np.where(~above.any(-1), -np.inf, np.where(share >= 0.5, np.inf, np.nan))
 
 
 @dataclass

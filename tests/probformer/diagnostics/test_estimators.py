@@ -176,6 +176,31 @@ def test_a_few_draws_holding_all_the_mass_are_degenerate_never_unreliable(draws,
     assert result.k == np.inf and result.verdict == "degenerate"
 
 
+@given(
+    draws=st.integers(21, 400), levels=st.lists(st.floats(0.0, 0.5), min_size=1, max_size=3), top=st.floats(0.25, 0.9)
+)
+def test_bounded_weights_tied_at_their_top_have_no_tail_never_degenerate(draws, levels, top):
+    """A share ``top`` of the draws tie at the largest weight (more than the M + 1 of PSIS's
+    tail), the rest lie within e^-0.5 of it: weights bounded by 1.65, ESS near S. ArviZ finds
+    no draw above its cutoff and says k = inf; that is a flat tail (-inf, "ok", like equal
+    weights), not a collapse. ArviZ's tail size is written here: ceil(min(S/5, 3 sqrt S))."""
+    tail = math.ceil(min(draws / 5, 3 * math.sqrt(draws)))
+    tied = max(tail + 1, int(top * draws))
+    log_w = np.zeros(draws)
+    log_w[tied:] = -np.resize(np.asarray(levels) + 1e-3, draws - tied)
+    result = diagnostics.pareto_k(log_w)
+    assert result.k == -np.inf and result.verdict == "ok"
+
+
+def test_a_few_light_draws_above_tied_weights_are_unreliable_not_degenerate():
+    """3 of 256 draws weigh e^0.1 times the rest: too few above the cutoff to fit (ArviZ's
+    k = inf), holding 1.3% of the mass: no collapse, so nan ("unreliable"), not +inf."""
+    log_w = np.zeros(256)
+    log_w[:3] = 0.1
+    result = diagnostics.pareto_k(log_w)
+    assert np.isnan(result.k) and result.verdict == "unreliable"
+
+
 def test_narrow_proposal_is_heavy_tailed():
     rng = np.random.default_rng(2)
     result = diagnostics.pareto_k(normal_log_ratio(rng, 0.4, 4000))
