@@ -100,7 +100,7 @@ class SystematicResampler:
             # any weights: normalised first (N 2**shift / total overflows float32 for totals
             # below ~1e-20), in the steps' precision (float16 products overflow at 2**16); rows
             # given as normalised are divided by their sums too (int64 overflows at sums ~2)
-            total = weights.sum(-1, keepdim=True) if total is None else _column(total.detach())
+            total = weights.sum(-1, keepdim=True, dtype=dtype) if total is None else _column(total.detach())
             steps = torch.div(weights.to(dtype), total.to(dtype), out=self.steps)
             steps.mul_(N * unit if chosen is None else chosen * (N * unit))
         if chosen is not None:
@@ -108,12 +108,19 @@ class SystematicResampler:
         fixed = self.fixed.copy_(steps)  # non-negative: truncation is the floor
         # the offset joins the first step: one cumulative sum gives N C_j / total + v
         fixed.narrow(1, 0, 1).add_(offset)
-        first = fixed.cumsum_(-1).bitwise_right_shift_(self.shift)
+        cumulative = fixed.cumsum_(-1)
+        # the last live particle: the first to reach the total (a zero weight adds exactly 0
+        # in fixed point), found by a binary search of each row, O(log N)
+        last_live = torch.searchsorted(cumulative, cumulative[:, N - 1 :].contiguous(), out_int32=True)
+        first = cumulative.bitwise_right_shift_(self.shift)
         if self.clamp:
             first.clamp_(max=N)
         first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
         self.counts.zero_().scatter_add_(1, first, self.ones)
         positions = self.counts.narrow(1, 0, N).cumsum_(-1)
+        # a position that rounding leaves past the last live particle's end (its cumulative
+        # weight fell short of N) goes to it, never to a particle of weight 0 after it
+        positions = torch.minimum(positions, last_live, out=positions)
         return positions.long() if out is None else out.copy_(positions)
 
 
@@ -158,13 +165,16 @@ def resample_indices(weights: torch.Tensor, method: str, generator: torch.Genera
     positive sum: a row need not sum to 1)."""
     _check_weights(weights)
     B, N = weights.shape
-    device, dtype = weights.device, weights.dtype
     if method == "systematic":
         return systematic_ancestors(weights, generator=generator)
     if method == "multinomial":
         return torch.multinomial(weights, N, replacement=True, generator=generator)
-    # residual and stratified read N w_j and cumsum(w) as fractions: each row scaled to sum 1,
-    # first by its largest weight (a sum of huge weights may overflow; the largest is positive)
+    # residual and stratified read N w_j and cumsum(w) as fractions, in float64: a float32
+    # cumulative sum is off by ~N eps per particle (biased counts at N ~ 1e5), and half
+    # precision counts positions exactly only up to 256. Each row is scaled to sum 1, first
+    # by its largest weight (a sum of huge weights may overflow; the largest is positive)
+    device, dtype = weights.device, torch.float64
+    weights = weights.to(dtype)
     weights = weights / weights.amax(-1, keepdim=True)
     weights = weights / weights.sum(-1, keepdim=True)
     if method == "residual":
@@ -185,8 +195,10 @@ def resample_indices(weights: torch.Tensor, method: str, generator: torch.Genera
         return torch.where(slots < used, deterministic, drawn.gather(1, from_residual))
     if method != "stratified":
         raise ValueError(f"unknown resampler {method!r}; allowed: {list(RESAMPLERS)}")
+    # divided by its last entry: the last live particle's cumulative (and its dead
+    # successors') is exactly 1, above every position, so none falls past it
     cumulative = weights.cumsum(-1)
-    cumulative[:, -1] = 1.0  # guard against rounding below the last position
+    cumulative = cumulative / cumulative[:, -1:]
     positions = (
         torch.arange(N, device=device, dtype=dtype) + torch.rand(B, N, device=device, dtype=dtype, generator=generator)
     ) / N
