@@ -186,6 +186,72 @@ def test_every_engine_answers_a_sentence_the_same_alone_padded_or_batched(engine
             assert_same(got[name], want[name], f"{engine} {name}")
 
 
+def last_is_head(n):
+    """Every token may choose the sentence's last token, which chooses the first: arcs that
+    depend on the length n, not on positions alone."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    g.add_edges_from((i, n - 1) for i in range(n - 1))
+    if n > 1:
+        g.add_edge(n - 1, 0)
+    return g
+
+
+LENGTH_TOPOLOGIES = {
+    "star(wrap=True)": "star(wrap=True)",
+    "window(1) | star(wrap=True)": "window(1) | star(wrap=True)",
+    "a function of n": last_is_head,
+}
+
+
+@pytest.mark.parametrize("topology", sorted(LENGTH_TOPOLOGIES))
+@pytest.mark.parametrize("engine", ["Exact", "MeanField"])
+@given(batch=batches(max_length=4))
+@settings(max_examples=6, deadline=None)
+def test_a_topology_of_the_sentence_length_answers_a_sentence_the_same_alone_or_padded(topology, engine, batch):
+    """star(wrap=True) closes its ring between a sentence's first and last tokens, and a
+    function of n is called with the sentence's length: in a padded batch both read the
+    batch's length instead, so a sentence lost its closing arc (or got another function's
+    arcs) when padded, and its answer changed."""
+    tokens, mask, lengths = batch
+    torch.manual_seed(1)
+    crf = graphs.CRF(vocab_size=VOCAB, labels=2, channels=1, rank=2, topology=LENGTH_TOPOLOGIES[topology]).double()
+    run = inference.Exact(crf) if engine == "Exact" else inference.MeanField(crf, iterations=3)
+    batched = run(tokens, mask)
+    for row, length in enumerate(lengths):
+        single = run(alone(tokens, mask, row)[0], torch.ones(1, length, dtype=torch.bool))
+        got, want = node_rows(batched, row, length, crf), node_rows(single, 0, length, crf)
+        for name in want:
+            assert_same(got[name], want[name], f"{engine} {topology} {name}")
+
+
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3), padding=st.integers(0, 3))
+def test_a_wrapped_stars_padded_rows_have_the_arcs_written_by_hand(lengths, padding):
+    """Each row: its ring i <-> i + 1, the closing arc between its first and last tokens,
+    every token <-> the relay (node n); nothing else, nothing on padding."""
+    n = max(lengths) + padding
+    mask = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]
+    arcs = graphs.topology.parse("star(wrap=True)").arcs(mask)
+    for row, length in enumerate(lengths):
+        expected = set()
+        for i in range(length):
+            expected |= {(i, n), (n, i)}
+            if i + 1 < length:
+                expected |= {(i, i + 1), (i + 1, i)}
+        if length > 1:
+            expected |= {(0, length - 1), (length - 1, 0)}
+        assert set(map(tuple, arcs[row].nonzero().tolist())) == expected
+
+
+def test_a_kernel_with_one_token_table_refuses_a_topology_of_the_sentence_length():
+    crf = graphs.CRF(vocab_size=VOCAB, labels=2, topology="star(wrap=True)")
+    engine = inference.MeanField(crf, kernel="fused")
+    with pytest.raises(ValueError, match=r"kernel='fused' reads one token table .* use kernel='naive' or 'auto'"):
+        engine(torch.tensor([[1, 2, 3]]))
+
+
 def test_gibbs_answers_each_sentence_of_a_padded_batch_as_exact_answers_it_alone():
     """Gibbs runs one chain over the whole batch, so its draws depend on the batch; its answer
     for each sentence must still be that sentence's exact answer alone (the engines' law

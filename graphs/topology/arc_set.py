@@ -42,8 +42,11 @@ class Topology:
     set by ``segments(l)``: arcs stay within a segment and the one before it.
 
     ``build_rows(mask)`` is set where the arcs depend on the sentence length and not only
-    on positions (contiguous ``clusters``): from a batch's token mask ``[B, n]`` it builds
-    every row for its real length, ``[B, n + m, n + m]``. ``arcs(mask)`` uses it.
+    on positions (contiguous ``clusters``, ``star(wrap=True)``, a function of n): from a
+    batch's token mask ``[B, n]`` it builds every row for its real length,
+    ``[B, n + m, n + m]``. ``arcs(mask)`` uses it. ``row_tokens`` says that the token-token
+    arcs are among them (not only arcs to virtual nodes): an engine then reads each row's
+    token arcs from ``arcs(mask)``, never one ``mask(n)`` table for the whole batch.
 
     ``token_rule(i, j)``, where known, says whether token i may choose token j from their
     positions alone (bool, for position tensors that broadcast; never a self-arc): a kernel
@@ -60,6 +63,7 @@ class Topology:
     data: dict | None = field(default=None, compare=False)  # how to store it (see to_data); None: it cannot be
     build_border: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # see border()
     token_rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    row_tokens: bool = False  # a row's token-token arcs depend on its real length (build_rows says)
 
     @functools.cached_property
     def token_rule_transposed(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -206,7 +210,10 @@ class Topology:
 
         name = f"{left.name} | {right.name}"
         virtual = left.virtual + right.virtual
-        return Topology(name, virtual, build, band, None, rows, data, build_border=build_border, token_rule=token_rule)
+        row_tokens = left.row_tokens or right.row_tokens
+        return Topology(
+            name, virtual, build, band, None, rows, data, build_border, token_rule=token_rule, row_tokens=row_tokens
+        )
 
     def __repr__(self) -> str:
         return f"Topology({self.name})"

@@ -89,22 +89,38 @@ def star(wrap: bool = False) -> Topology:
     _check_flag("star(wrap=...)", wrap)
 
     def build(n: int) -> torch.Tensor:
+        if wrap:
+            return build_rows(torch.ones(1, n, dtype=torch.bool))[0]
         i, j = _positions(n + 1)
         tokens = (i < n) & (j < n)
         ring = tokens & ((j == i - 1) | (j == i + 1))  # comparisons of positions: no [n, n] integers
-        if wrap:  # first <-> last (for n <= 2 these are neighbours or self-arcs already)
-            ring = ring | (tokens & ((j == i - (n - 1)) | (j == i + (n - 1))))
         return ring | ((i < n) & (j == n)) | ((i == n) & (j < n))  # tokens <-> relay
+
+    def build_rows(mask: torch.Tensor) -> torch.Tensor:
+        """The ring closed between each row's first and last real tokens (not the batch's
+        first and last positions: padding must not move the arc)."""
+        n = mask.shape[1]
+        with torch.device(mask.device):  # the positions where the mask is
+            i, j = _positions(n + 1)
+        tokens = (i < n) & (j < n)
+        ring = tokens & ((j == i - 1) | (j == i + 1))
+        relay = ((i < n) & (j == n)) | ((i == n) & (j < n))
+        position = j[0, :n]
+        first = torch.where(mask, position, n).amin(1)[:, None, None]  # [B, 1, 1]
+        last = torch.where(mask, position, -1).amax(1)[:, None, None]
+        ends = ((i == first) & (j == last)) | ((i == last) & (j == first))  # a self-arc when one token: arcs() drops it
+        return (ring | relay)[None] | (ends & tokens)
 
     def build_border(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         relay_row = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], 1)[:, None, :]  # the relay: every token
         return mask[:, :, None], relay_row  # every token: the relay
 
-    ring = None if wrap else _within(1, 1)  # a wrapped ring's arcs depend on n: the table says
     name = f"star(wrap={wrap})"
-    return _as_text(
-        Topology(name, ("relay",), build, None if wrap else (1, 1), build_border=build_border, token_rule=ring)
-    )
+    if wrap:  # the closing arc depends on each row's real length: no band, no rule of positions
+        return _as_text(
+            Topology(name, ("relay",), build, build_rows=build_rows, build_border=build_border, row_tokens=True)
+        )
+    return _as_text(Topology(name, ("relay",), build, (1, 1), build_border=build_border, token_rule=_within(1, 1)))
 
 
 def root() -> Topology:

@@ -39,10 +39,25 @@ def from_graph(graph) -> Topology:
 
 def from_callable(build: Callable) -> Topology:
     """Arcs from a function of the sentence length n returning a ``networkx.DiGraph`` on
-    ``0..n-1`` or a bool ``[n, n]`` mask. It has no stored form: ``to_data`` refuses it,
-    so a model on it cannot be checkpointed or exported (store a graph or mask instead)."""
+    ``0..n-1`` or a bool ``[n, n]`` mask. In a padded batch each row gets the arcs of its
+    real length, over its real tokens in order. It has no stored form: ``to_data`` refuses
+    it, so a model on it cannot be checkpointed or exported (store a graph or mask instead)."""
     name, arcs = arcs_of_callable(build)
-    return Topology(name, (), arcs)
+
+    def build_rows(mask: torch.Tensor) -> torch.Tensor:
+        """Each row's arcs from ``build(its real length)``, laid over its real tokens in order:
+        a sentence has the same arcs however much padding its batch adds. The lengths are
+        read on the host: the function is Python of an integer n."""
+        rows = mask.new_zeros(mask.shape[0], mask.shape[1], mask.shape[1])
+        tables = {}
+        for row, length in enumerate(mask.sum(1).tolist()):
+            if length:
+                table = tables[length] = tables.get(length, arcs(length).to(mask.device))
+                real = mask[row].nonzero().flatten()
+                rows[row, real[:, None], real[None, :]] = table
+        return rows
+
+    return Topology(name, (), arcs, build_rows=build_rows, row_tokens=True)
 
 
 def _from_arcs(arcs: list, n_max: int) -> Topology:

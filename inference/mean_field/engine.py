@@ -202,6 +202,7 @@ class MeanField(nn.Module):
             band=crf.topology.band,
             prior=None if self.span is None else self.span_prior(n, crf.topology.num_nodes(n)),
             topology=crf.topology,
+            arcs=crf.arc_mask(mask) if crf.topology.row_tokens else None,  # token arcs of each row's length
         )
         return tokens, mask, structure
 

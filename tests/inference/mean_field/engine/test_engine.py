@@ -86,7 +86,6 @@ def test_converged_marginals_satisfy_the_update_equations(topology, schedule, ra
             "causal",
             "window(2)",
             "window(5)",
-            "star(wrap=True)",
             "clusters(3)",
             "segments(3)",
             "window(1) | clusters(2)",

@@ -123,7 +123,6 @@ TOPOLOGIES = [
     "window(1)",
     "window(4)",
     "star()",
-    "star(wrap=True)",
     "root()",
     "clusters(2)",
     "clusters(2, dynamic=True)",
