@@ -156,7 +156,10 @@ def arc_table(arcs: list, n_max: int) -> tuple[str, Callable[[int], torch.Tensor
 
     def build(n: int) -> torch.Tensor:
         if not isinstance(n, torch.SymInt) and n > n_max:
-            raise ValueError(f"this topology covers {n_max} positions (n_max); got a sentence of length {n}")
+            raise ValueError(
+                f"this topology covers {n_max} positions (n_max); got {n} positions (a sentence, or a batch "
+                f"with its padding): trim padding past the longest sentence, or store arcs over more positions"
+            )
         return table[:n, :n]
 
     data = {"arcs": [list(a) for a in arcs], "n_max": n_max}
@@ -197,6 +200,9 @@ def read_data(data) -> tuple[str, object]:
         pairs = data["arcs"]
         if not isinstance(pairs, list) or any(not isinstance(a, list | tuple) or len(a) != 2 for a in pairs):
             raise ValueError("topology data 'arcs' must be a list of [i, j] pairs")
+        for pair in pairs:  # int() would read 1.7 as 1, True as 1 and "2" as 2
+            if any(isinstance(x, bool) or not isinstance(x, int) for x in pair):
+                raise ValueError(f"topology data 'arcs' must hold integer positions, got the pair {list(pair)!r}")
         return "arcs", (data["arcs"], n_max)
     if set(data) == {"union"} and isinstance(data["union"], list) and len(data["union"]) == 2:
         return "union", (data["union"][0], data["union"][1])

@@ -134,12 +134,25 @@ def test_a_crf_takes_a_graph_as_its_topology():
         (torch.ones(2, 2), "must be a bool tensor"),
         ({"arcs": [[0, 1]]}, "must have the keys"),
         ({"arcs": [[0, 4]], "n_max": 2}, r"arc \(0, 4\) lies outside the positions 0..1"),
+        ({"arcs": [[0, 1.7]], "n_max": 3}, r"must hold integer positions, got the pair \[0, 1.7\]"),  # was arc (0, 1)
+        ({"arcs": [[0, True]], "n_max": 3}, r"must hold integer positions, got the pair \[0, True\]"),
+        ({"arcs": [["2", 0]], "n_max": 3}, r"must hold integer positions, got the pair \['2', 0\]"),
         (3, "topology must be a Topology, a non-empty string, a networkx DiGraph"),
     ],
 )
 def test_bad_topology_data_is_refused_by_name(spec, match):
     with pytest.raises(ValueError, match=match):
         topology.parse(spec)
+
+
+def test_a_batch_padded_past_a_graphs_positions_is_refused_naming_the_padding():
+    """Three real tokens padded to four positions over a 3-position graph: the error said "a
+    sentence of length 4"."""
+    crf = graphs.CRF(vocab_size=5, labels=2, topology=nx.DiGraph([(0, 1), (1, 0), (2, 1)]))
+    with pytest.raises(
+        ValueError, match=r"covers 3 positions .* got 4 positions \(a sentence, or a batch with its padding\)"
+    ):
+        crf.arc_mask(torch.tensor([[True, True, True, False]]))
 
 
 @given(first=arc_sets(), second=arc_sets())
