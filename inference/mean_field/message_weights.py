@@ -3,6 +3,7 @@ weights) and ``MupScales`` (μP's dimension factors). ``MeanField.scales`` multi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 __all__ = ["MessageWeights", "MupScales", "labels_and_heads"]
@@ -37,8 +38,21 @@ class MessageWeights:
             unknown = set(value) - {f.name for f in fields(cls)}
             if unknown:
                 raise ValueError(f"unknown message weights {sorted(unknown)}; allowed: {[f.name for f in fields(cls)]}")
-            return cls(**{k: float(v) for k, v in value.items()})
+            return cls(**{k: _finite(k, v) for k, v in value.items()})
         raise ValueError(f"weights must be 'crf', 'reference', a dict or MessageWeights, got {value!r}")
+
+
+def _finite(name: str, value) -> float:
+    """A weight as a float; float() alone would read "1e400" or True, and a NaN or infinite
+    weight makes every logit it multiplies NaN."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(
+            f"message weight {name!r} must be a real number (an int or float, not a bool or text), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"message weight {name!r} must be finite, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)

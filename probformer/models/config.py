@@ -103,9 +103,9 @@ class ConfigMixin(metaclass=_AliasedConstructor):
       local_rounds 64; iterations 10000; max_length, window, span_max, span_ramp 2**20;
       segment 2**16; gamma 4096; clusters 2**14; training: batch_size 2**20, epochs
       10**6, steps and the *_every / warmup counts 2**40, threads 4096, seed 2**63 - 1;
-    - a number-valued key (dropout, temperature, jitter, lr, ...; the numbers of a dict
-      key such as ``weights``) that is NaN, infinite or larger than ``MAX_FLOAT`` = 1e6
-      in magnitude;
+    - a number-valued key (dropout, temperature, jitter, lr, ...; the items of a dict
+      key such as ``weights``, which must be ints or floats, never text or bools) that is
+      NaN, infinite or larger than ``MAX_FLOAT`` = 1e6 in magnitude;
     - a ``topology`` whose arguments exceed ``graphs.topology``'s limits (clusters k <=
       2**14, window w and segments l <= 2**20);
     - a ``dropout`` outside [0, 1), in every config that has one;
@@ -176,8 +176,14 @@ class ConfigMixin(metaclass=_AliasedConstructor):
                 _check_topology(value)
             elif isinstance(value, dict):
                 for key, item in value.items():
-                    if isinstance(item, int | float) and not isinstance(item, bool):
-                        _check_float(f"{f.name}.{key}", float(item))
+                    # the items are multipliers: text such as "1e400" or a bool that float()
+                    # would turn into a number is refused, not read as one
+                    if not isinstance(item, int | float) or isinstance(item, bool):
+                        raise TypeError(
+                            f"config key '{f.name}.{key}' must be a real number (an int or float, not a bool "
+                            f"or text), got {type(item).__name__} {item!r}"
+                        )
+                    _check_float(f"{f.name}.{key}", float(item))
 
     def estimated_parameters(self) -> int:
         """An estimate of the parameters of the model this config builds, from the keys it

@@ -221,7 +221,8 @@ def _in_section(section: str, build):
     try:
         return build()
     except (ValueError, TypeError) as error:  # the same type, the key named in its table
-        named = re.sub(r"config key '(?![a-z]+\.)(\w+)'", rf"config key '{section}.\1'", str(error))
+        # a name already in a table is kept; a dotted name inside one key ('weights.unary') gets its table too
+        named = re.sub(r"config key '(?!(?:model|data|train)\.)(\w+)", rf"config key '{section}.\1", str(error))
         raise type(error)(named) from None
 
 

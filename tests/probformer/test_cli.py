@@ -220,6 +220,7 @@ def test_user_errors_of_every_verb_are_one_line(tmp_path, capsys, monkeypatch, h
         (SUBPROCESS, {}, ["--set", "train.learning_rate=1e-3"], "unknown config keys ['train.learning_rate']"),
         (SUBPROCESS, {}, ["--set", "model.rank=1.5"], "config key 'model.rank' must be of type int, got float 1.5"),
         (IN_PROCESS, {}, ["--set", "train.bf16=yes"], "config key 'train.bf16' must be of type bool, got str 'yes'"),
+        (IN_PROCESS, {}, ["--set", 'model.weights={unary="1e400"}'], "config key 'model.weights.unary' must be"),
         (IN_PROCESS, {}, ["--set", "optimiser.lr=1"], "unknown config table 'optimiser'"),
         (IN_PROCESS, {}, ["--set", "lr=1"], "expected TABLE.KEY=VALUE"),
     ],

@@ -4,9 +4,12 @@ hand, a written setting replaces the options, and nothing writes the engine's at
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import graphs
 import inference
@@ -81,3 +84,30 @@ def test_nothing_writes_the_engines_attributes(kernel, schedule):
     assert torch.isfinite(computed[0]).all() and len(computed[1]["logits"]) == 2
     assert engine.fused_compute_dtype(1.0) == torch.float64
     assert engine_state(engine) == state
+
+
+NAMES = [f.name for f in dataclasses.fields(MessageWeights)]
+
+
+@given(
+    key=st.sampled_from(NAMES),
+    value=st.one_of(
+        st.sampled_from(["1e400", "-inf", "nan", "0.5"]),  # text float() would read
+        st.booleans(),
+        st.none(),
+        st.floats(allow_nan=True, allow_infinity=True).filter(lambda v: not math.isfinite(v)),
+    ),
+)
+def test_a_weight_that_is_not_a_finite_real_number_is_refused_naming_it(key, value):
+    """Oracle: the weights multiply logits, so each must be a finite int or float; text or a
+    bool (which float() would turn into a number) and NaN or infinity are refused by name."""
+    with pytest.raises((TypeError, ValueError), match=f"message weight '{key}'"):
+        MessageWeights.parse({key: value}, labels=4)
+
+
+@given(
+    key=st.sampled_from(NAMES), value=st.integers(-(10**9), 10**9) | st.floats(allow_nan=False, allow_infinity=False)
+)
+def test_a_finite_real_weight_is_kept_as_a_float(key, value):
+    weights = MessageWeights.parse({key: value}, labels=4)
+    assert getattr(weights, key) == float(value) and type(getattr(weights, key)) is float

@@ -17,7 +17,7 @@ import inference
 from graphs import topology
 from probformer.models import config as configs
 from probformer.models import registry
-from probformer.training.run_config import DataConfig, TrainConfig
+from probformer.training.run_config import DataConfig, RunConfig, TrainConfig
 
 FAST = 0.5  # seconds: far above a check, far below building a 10**12-row embedding
 
@@ -87,6 +87,37 @@ def test_non_finite_or_absurd_numbers_are_refused_naming_the_key(kind, key, valu
 def test_numbers_inside_a_dict_key_are_checked(value):
     pt_config = CONFIGS["probabilistic_transformer"]
     refused_fast(lambda: make(pt_config, weights={"head": value}), "'weights.head'")
+
+
+WEIGHT_NAMES = [f.name for f in dataclasses.fields(inference.MessageWeights)]
+NOT_A_NUMBER = st.one_of(
+    st.text(max_size=8),
+    st.sampled_from(["1e400", "-inf", "nan", "0.5", "1"]),  # text a float() would have read
+    st.booleans(),
+    st.none(),
+    st.lists(st.floats(), max_size=2),
+)
+
+
+@given(key=st.sampled_from(WEIGHT_NAMES), value=NOT_A_NUMBER)
+def test_a_weight_that_is_not_a_number_is_refused_naming_it(key, value):
+    """Oracle: a weight is a real number (int or float, never a bool); anything else, text
+    that float() would read included, is refused as ``weights.<key>``."""
+    pt_config = CONFIGS["probabilistic_transformer"]
+    refused_fast(lambda: make(pt_config, weights={key: value}), f"'weights.{key}'", error_type=TypeError)
+
+
+@given(key=st.sampled_from(WEIGHT_NAMES), value=st.integers(-(10**6), 10**6) | st.floats(-1e6, 1e6))
+def test_a_finite_weight_within_the_limit_is_kept(key, value):
+    config = make(CONFIGS["probabilistic_transformer"], weights={key: value})
+    assert config.weights == {key: value}
+
+
+@given(key=st.sampled_from(WEIGHT_NAMES), value=NOT_A_NUMBER)
+def test_a_weight_in_a_run_config_is_named_in_its_table(key, value):
+    """The CLI's message names the key as the TOML file has it: ``model.weights.<key>``."""
+    tables = {"model": {"kind": "probabilistic_transformer", "weights": {key: value}}, "data": {"source": "ptb"}}
+    refused_fast(lambda: RunConfig.from_dict(tables), f"'model.weights.{key}'", error_type=TypeError)
 
 
 @given(value=st.floats(allow_nan=True, allow_infinity=True))

@@ -245,6 +245,18 @@ def test_unknown_config_keys_and_records_are_refused(tmp_path):
         pretrained.from_pretrained(folder)
 
 
+@pytest.mark.parametrize("weight", ["-inf", "nan", "1e400", True])
+def test_a_weight_that_is_not_a_number_in_config_json_is_refused_naming_it(tmp_path, weight):
+    """A hand-edited ``"weights": {"head": "-inf"}`` gave NaN logits once loaded: the load
+    now refuses it, naming the key."""
+    folder = pretrained.save_pretrained(tiny("probabilistic_transformer"), tmp_path / "saved")
+    record = json.loads((folder / "config.json").read_text())
+    record["config"]["weights"] = {"head": weight}
+    (folder / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="bad model config: config key 'weights.head' must be"):
+        probformer.load(folder)
+
+
 @pytest.mark.parametrize("where", ["record", "config"])
 def test_a_key_given_twice_in_config_json_is_refused(tmp_path, where):
     """JSON readers disagree on which of two values wins: the file means two things."""
