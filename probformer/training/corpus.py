@@ -55,6 +55,12 @@ def prepare_corpus(config: run_config.DataConfig, vocabulary=None, tags=None) ->
         vocabulary = data.SubwordVocabulary.train(subword_lines, config.vocabulary)
     if vocabulary is None:
         vocabulary = data.Vocabulary.build(train.words, max_size=config.vocabulary)
+    if len(vocabulary) <= len(data.SPECIALS):
+        # nothing to learn, and masking draws its random words from the ordinary tokens
+        raise ValueError(
+            f"data.source {config.source!r}: the vocabulary has no token besides {list(data.SPECIALS)} (the "
+            "training text gives no word or piece the tokenizer keeps); train on text with words in it"
+        )
     if config.task == "pos":
         tags = tags or sorted({t for sentence in train.tags for t in sentence})
     tag_index = {t: i for i, t in enumerate(tags or [])}
@@ -62,6 +68,12 @@ def prepare_corpus(config: run_config.DataConfig, vocabulary=None, tags=None) ->
     encoded = {}
     for name, split in (("training", train), ("validation", valid)):
         encoded[name], windowed[name] = _encode(split, name, config, vocabulary, tag_index)
+        if not encoded[name]:  # lines that are not blank (zero-width or control characters) but give no token
+            raise ValueError(
+                f"data.source {config.source!r}: none of the {len(split.words)} {name} sentences gives a token "
+                "(the tokenizer keeps nothing of them, e.g. zero-width or control characters); a run needs "
+                "training and validation sentences with words in them"
+            )
     corpus = Corpus(vocabulary, encoded["training"], encoded["validation"])
     corpus.tags, corpus.valid_heads, corpus.windowed = tags, valid.heads, windowed
     return corpus

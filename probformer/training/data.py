@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 PAD, UNK, MASK = "<pad>", "<unk>", "<mask>"
+SPECIALS = (PAD, UNK, MASK)  # ids 0, 1, 2 of every vocabulary; the ordinary tokens follow
 SPLITS = ("train", "valid", "test")
 
 

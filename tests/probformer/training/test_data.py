@@ -284,3 +284,41 @@ def test_a_subword_vocabulary_is_never_larger_than_asked(size):
         assert f"data.vocabulary = {size} is below the" in str(error)
     else:
         assert len(vocabulary) <= size
+
+
+# ---- lines that encode to nothing ----
+
+DROPPED = "\u200b"  # a zero-width space: a line of it is not blank, but the tokenizer keeps nothing of it
+
+
+@given(kept=st.lists(st.booleans(), min_size=2, max_size=40))
+@settings(max_examples=25, deadline=None)
+def test_a_split_whose_lines_all_encode_to_nothing_is_refused_naming_the_source(tmp_path_factory, kept):
+    """Oracle: the last 1/20 of the lines validate (at least one), the rest train; a line of
+    zero-width spaces encodes to no token and is left out. A split left with no sentence, or
+    a vocabulary of the special tokens alone, is refused naming data.source; otherwise each
+    split holds exactly its ordinary lines."""
+    lines = ["the cat sat" if k else DROPPED for k in kept]
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    held_out = max(1, len(lines) // data.HELD_OUT)
+    train, valid = sum(kept[:-held_out]), sum(kept[-held_out:])
+    config = run_config.DataConfig(source=str(path), vocabulary=40)
+    if not train or not valid:
+        with pytest.raises(ValueError, match=f"data.source '{path}'") as error:
+            corpus.prepare_corpus(config)
+        assert ("training" if not train else "validation") in str(error.value)
+        assert not train or "validation" in str(error.value)
+    else:
+        prepared = corpus.prepare_corpus(config)
+        assert (len(prepared.train), len(prepared.valid)) == (train, valid)
+
+
+def test_a_vocabulary_of_the_special_tokens_alone_is_refused(tmp_path):
+    """A vocabulary with no ordinary token (every word <unk>) leaves nothing to learn, and
+    masking would draw its random words from an empty range."""
+    path = tmp_path / "text.txt"
+    path.write_text("the cat sat\n" * 40)
+    specials = data.Vocabulary([data.PAD, data.UNK, data.MASK])
+    with pytest.raises(ValueError, match=f"data.source '{path}'.* no token besides"):
+        corpus.prepare_corpus(run_config.DataConfig(source=str(path)), specials)

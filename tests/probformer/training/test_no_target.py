@@ -11,7 +11,7 @@ import torch
 from probformer.training import run_config
 from probformer.training.run_log import RunLog
 from probformer.training.trainer import Trainer
-from probformer.training.validation import evaluate_model
+from probformer.training.validation import evaluate_model, refuse_validations_without_targets
 from tests.builders import write_tiny_run_config as write_config
 
 ONE_TOKEN = ([5], None)  # a one-word sentence: at a low mask rate no position is masked
@@ -31,6 +31,14 @@ def test_validation_without_a_target_token_is_refused_naming_the_setting(trainer
     assert scored["tokens"] == 3 and scored["loss"] > 0 and math.isfinite(scored["perplexity"])
 
 
+def test_an_empty_validation_set_is_refused_as_one_that_scores_nothing(trainer):
+    """No sentence scores no token: skipping the check for an empty set let a run train and
+    stop at its final validation, leaving a run folder without a model."""
+    trainer.corpus.valid = []
+    with pytest.raises(ValueError, match=r"validation has no target token: 0 sentence\(s\)"):
+        refuse_validations_without_targets(trainer.corpus, trainer.config)
+
+
 def text_run(tmp_path, last_lines: list[str], batch_size: int = 8):
     """A text source of 38 six-word lines and ``last_lines``: the last 1/20 (2 lines) validate."""
     source = tmp_path / "text.txt"
@@ -43,6 +51,15 @@ def text_run(tmp_path, last_lines: list[str], batch_size: int = 8):
 def test_a_run_whose_validation_scores_no_token_is_refused_before_its_folder_exists(tmp_path):
     with pytest.raises(ValueError, match=r"validation has no target token: 2 sentence\(s\)"):
         Trainer(text_run(tmp_path, ["cat", "mat"]), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_whose_validation_lines_encode_to_nothing_is_refused_before_its_folder_exists(tmp_path):
+    """Zero-width lines are not blank, so they validate, but encode to no token: the run
+    is refused naming data.source, not trained and then stopped without a model."""
+    config = text_run(tmp_path, ["\u200b", "\u200b"])
+    with pytest.raises(ValueError, match=r"data.source .*none of the 2 validation sentences"):
+        Trainer(config, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
 
 
