@@ -195,7 +195,9 @@ def text_splits(source) -> dict[str, list[str]]:
 
 def text_lines(path) -> list[str]:
     """Non-empty lines of a text file, of every ``*.txt`` file in a folder (sorted), or of
-    every split (train, valid, test) of a Hugging Face dataset ``hf:...``."""
+    every split (train, valid, test) of a Hugging Face dataset ``hf:...``. A line ends at
+    a newline (LF, CRLF or CR); other Unicode line separators (form feed, NEL, U+2028, ...)
+    are whitespace inside it."""
     from probformer.training import hf_data
 
     if hf_data.is_hf_source(path):
@@ -212,7 +214,9 @@ def text_lines(path) -> list[str]:
     lines = []
     for file in files:
         try:
-            lines += [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+            # read_text reads "\r\n" and "\r" as "\n" (universal newlines); only "\n" ends a line, as in
+            # the hf:text builder: splitlines() would also cut at a form feed, NEL or U+2028 inside one
+            lines += [line.strip() for line in file.read_text(encoding="utf-8").split("\n") if line.strip()]
         except UnicodeDecodeError as error:
             raise ValueError(f"{file} is not UTF-8 text: {error}") from None
     if not lines:

@@ -322,3 +322,39 @@ def test_a_vocabulary_of_the_special_tokens_alone_is_refused(tmp_path):
     specials = data.Vocabulary([data.PAD, data.UNK, data.MASK])
     with pytest.raises(ValueError, match=f"data.source '{path}'.* no token besides"):
         corpus.prepare_corpus(run_config.DataConfig(source=str(path)), specials)
+
+
+# ---- what a line of a text file is ----
+
+# Unicode line boundaries other than the newlines: str.splitlines() would cut a line at each
+SEPARATORS = ["\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+@given(
+    lines=st.lists(
+        st.text(st.sampled_from(["a", "b", " ", "\t", "\u200b", *SEPARATORS]), max_size=8), min_size=1, max_size=8
+    ),
+    endings=st.lists(st.sampled_from(["\n", "\r\n", "\r"]), min_size=8, max_size=8),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_text_file_is_cut_at_its_newlines_only(tmp_path_factory, lines, endings):
+    """Oracle: the lines written, each ended by "\\n", "\\r\\n" or "\\r", come back stripped
+    with the blank ones left out; a form feed, NEL or U+2028 inside a line is part of it."""
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_bytes("".join(line + end for line, end in zip(lines, endings)).encode("utf-8"))
+    expected = [line.strip() for line in lines if line.strip()]
+    if not expected:
+        with pytest.raises(ValueError, match="holds no text"):
+            data.text_lines(path)
+    else:
+        assert data.text_lines(path) == expected
+
+
+def test_a_line_with_unicode_separators_is_one_sentence_of_its_words(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("the cat sat\u2028on the mat\nan\x85b\nform\x0cfeed line\n", encoding="utf-8")
+    assert [line.split() for line in data.text_lines(path)] == [
+        ["the", "cat", "sat", "on", "the", "mat"],
+        ["an", "b"],
+        ["form", "feed", "line"],
+    ]

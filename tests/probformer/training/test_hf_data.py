@@ -77,6 +77,15 @@ def test_the_text_builder_on_local_files(tmp_path):
         data.text_splits(f"hf:text:{folder / 'b.txt'}")
 
 
+def test_a_text_file_gives_the_lines_the_text_builder_gives(tmp_path):
+    """Oracle: datasets' own text builder (universal newlines, then "\\n" only): a text file
+    read directly is cut at the same places, whatever Unicode separators its lines hold."""
+    path = tmp_path / "seps.txt"
+    path.write_bytes("the cat sat\u2028on the mat\r\nan\x85b\rform\x0cfeed line\n\x0b\nlast\u2029".encode())
+    assert data.text_lines(path) == data.text_lines(f"hf:text:{path}")
+    assert len(data.text_lines(path)) == 4
+
+
 @pytest.mark.parametrize(
     "source,error,message",
     [
