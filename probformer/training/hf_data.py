@@ -6,12 +6,12 @@ MLM (and next-token) training. Two forms, both local (nothing is downloaded here
   local files, ``FILES`` a path or a glob, e.g. ``hf:text:corpus/*.txt``.
 
 The text is the column ``text``, or the dataset's only string column. Splits: a
-``DatasetDict`` gives ``train`` and, when present, ``validation`` (or ``valid`` / ``dev``)
-and ``test``; a single dataset is ``train`` (without a validation split,
-``data.text_splits`` holds out the last 5% of ``train``, as for a text file). A Hub
-dataset is used by saving it first: ``datasets.load_dataset(NAME).save_to_disk(DIR)``,
-then ``hf:DIR``. ``datasets`` is the optional extra ``probformer[hf]``, imported only when
-such a source is read."""
+``DatasetDict`` gives ``train`` and, when present, ``validation`` (or ``valid`` / ``dev``;
+two of these are refused) and ``test``; a single dataset is ``train`` (without a
+validation split, ``data.text_splits`` holds out the last 5% of ``train``, as for a text
+file). A Hub dataset is used by saving it first:
+``datasets.load_dataset(NAME).save_to_disk(DIR)``, then ``hf:DIR``. ``datasets`` is the
+optional extra ``probformer[hf]``, imported only when such a source is read."""
 
 from __future__ import annotations
 
@@ -51,10 +51,15 @@ def hf_splits(source: str) -> dict[str, list[str]]:
             f"data.source {source!r} has splits {unknown} that are none of 'train', 'test' or the validation "
             f"names {list(_VALID_NAMES)}; rename them (DatasetDict keys) so that none is left out"
         )
+    valid = [name for name in _VALID_NAMES if name in named]
+    if len(valid) > 1:  # one would validate and the others be read nowhere
+        raise ValueError(
+            f"data.source {source!r} has validation splits {sorted(valid)}: keep one of them (merge or remove "
+            "the others: DatasetDict keys), so that none is left out"
+        )
     splits = {"train": named["train"]}
-    valid = next((name for name in _VALID_NAMES if name in named), None)
-    if valid is not None:
-        splits["valid"] = named[valid]
+    if valid:
+        splits["valid"] = named[valid[0]]
     if "test" in named:
         splits["test"] = named["test"]
     return splits

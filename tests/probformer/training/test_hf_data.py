@@ -3,6 +3,7 @@ by ``save_to_disk`` or the packaged ``text`` builder on local files."""
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -55,6 +56,27 @@ def test_a_split_read_nowhere_is_refused_naming_the_split_names(tmp_path, other)
     datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(saved)
     with pytest.raises(ValueError, match=rf"has splits \['{other}'\] that are none of 'train', 'test' or .*'dev'"):
         data.text_splits(f"hf:{saved}")
+
+
+@pytest.mark.parametrize(
+    "names", [["dev", "validation"], ["valid", "validation"], ["dev", "valid"], ["dev", "valid", "validation"]]
+)
+def test_two_validation_splits_are_refused_naming_them(tmp_path, names):
+    """Each of the validation names alone validates; with two, one was read and the other
+    silently left out."""
+    saved = tmp_path / "saved"
+    splits = {"train": TRAIN} | {name: [f"{name} line"] for name in names}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(saved)
+    with pytest.raises(ValueError, match=re.escape(f"has validation splits {names}:") + ".*keep one of them"):
+        data.text_splits(f"hf:{saved}")
+
+
+@pytest.mark.parametrize("name", ["validation", "valid", "dev"])
+def test_each_validation_name_alone_validates(tmp_path, name):
+    saved = tmp_path / "saved"
+    splits = {"train": TRAIN, name: VALIDATION}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(saved)
+    assert data.text_splits(f"hf:{saved}")["valid"] == VALIDATION
 
 
 def test_a_single_dataset_holds_out_its_last_twentieth_and_finds_its_text_column(tmp_path):
