@@ -29,12 +29,14 @@ import copy
 import io
 import json
 import logging
+import os
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from probformer.deploy.reader import EXPORTED_FORMAT, ONNX_FORMAT, TORCH_FORMAT, load
@@ -208,23 +210,60 @@ def _write_traced(writer, target: Path, model, vocabulary, max_length, format: s
         ) from error
 
 
-def _is_export(path: Path) -> bool:
-    """Whether ``path`` holds something ``export`` wrote (its record names a probformer format)."""
+# what export writes into a torch folder: a folder holding anything else is not replaced
+EXPORT_FILES = ("config.json", "model.safetensors", "vocabulary.json", "tokenizer.json")
+# the earlier torch format also wrote its loader module beside the weights
+EARLIER_EXPORT_FILES = {"probformer-torch/1": ("probformer_runtime.py",)}
+
+
+def _not_an_export_folder(path: Path) -> str | None:
+    """Why the folder ``path`` is not what a torch export writes, or ``None`` when it is.
+    A run's ``model/`` and its checkpoints share the folder's format, so the record alone
+    would let an export delete a checkpoint's training state; their weights' header names
+    no format (an export's names the config's), which tells them apart even when the file
+    names match."""
+    from safetensors import safe_open
+
+    if not (path / "config.json").is_file():
+        return "it holds no config.json"
+    meta = json.loads((path / "config.json").read_text())
+    if not isinstance(meta, dict) or meta.get("format") not in (TORCH_FORMAT, "probformer-torch/1"):
+        return "its config.json is no probformer export record"
+    allowed = EXPORT_FILES + EARLIER_EXPORT_FILES.get(meta["format"], ())
+    other = sorted(
+        entry.name
+        for entry in os.scandir(path)
+        if entry.name not in allowed or entry.is_symlink() or not entry.is_file(follow_symlinks=False)
+    )
+    if other:
+        return f"it holds {other[:5]}, and an export folder holds only {list(EXPORT_FILES)}"
+    with safe_open(str(path / "model.safetensors"), framework="pt") as weights:
+        header = weights.metadata() or {}
+    if header.get("format") != meta["format"]:
+        return "its weights were not written by export (a training run's model/ or checkpoint)"
+    return None
+
+
+def _not_an_export(path: Path) -> str | None:
+    """Why ``path`` holds nothing ``export`` wrote (its record names a probformer format),
+    or ``None`` when it does."""
     try:
         if path.is_dir():
-            meta = json.loads((path / "config.json").read_text())
-            return isinstance(meta, dict) and meta.get("format") in (TORCH_FORMAT, "probformer-torch/1")
+            return _not_an_export_folder(path)
         small = path.stat().st_size < (4 << 30)
-        return path.suffix in (".pt2", ".onnx") and small and b"probformer-" in path.read_bytes()
-    except (OSError, ValueError):
-        return False
+        if path.suffix in (".pt2", ".onnx") and small and b"probformer-" in path.read_bytes():
+            return None
+        return "it is no .pt2 or .onnx file that export wrote"
+    except (OSError, ValueError, SafetensorError) as error:
+        return f"it cannot be read as one ({error})"
 
 
 def _check_replaceable(path: Path) -> None:
     """An export replaces an earlier export at ``path``, never anything else (a user's file
-    or folder that happens to be there)."""
-    if path.is_symlink() or (path.exists() and not _is_export(path)):
-        raise FileExistsError(f"{path} exists and is not a probformer export; choose another path or remove it")
+    or folder that happens to be there, a training run's model or checkpoint)."""
+    why = "it is a symlink" if path.is_symlink() else _not_an_export(path) if path.exists() else None
+    if why:
+        raise FileExistsError(f"{path} exists and is not a probformer export ({why}); choose another path or remove it")
 
 
 def _replace(path: Path, write) -> None:

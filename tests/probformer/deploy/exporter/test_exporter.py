@@ -449,6 +449,54 @@ def test_export_replaces_an_earlier_export_and_nothing_else(tmp_path):
     assert notes.read_text() == "my notes" and (folder / "data.txt").read_text() == "keep"
 
 
+def test_export_never_replaces_a_training_checkpoint_or_a_runs_model(tmp_path, capsys):
+    """A checkpoint and a run's model/ are the export's folder format with more in them (the
+    training state, the tags), or with the same file names: export refuses both and leaves
+    every byte as it was."""
+    from probformer.training import run_checkpoints
+
+    model = transformer()
+    vocabulary = data.Vocabulary.build([[f"w{i}" for i in range(VOCAB - 3)]])
+    run = tmp_path / "run"
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = run_checkpoints.save_training_checkpoint(run, 2, model, optimizer, vocabulary, {"step": 2})
+    run_checkpoints.save_final_model(run, model, vocabulary, ["NOUN", "VERB"])
+    plain = run_checkpoints.save_final_model(tmp_path / "plain", model, vocabulary, None)  # the export's file names
+    before = {p: p.read_bytes() for folder in (step, run / "model", plain) for p in folder.iterdir()}
+    for target in (step, run / "model", plain):
+        with pytest.raises(FileExistsError, match="is not a probformer export"):
+            probformer.export(model, target)
+        assert cli.main(["export", str(run), "--out", str(target)]) == 2
+        assert "is not a probformer export" in capsys.readouterr().err
+    assert {p: p.read_bytes() for folder in (step, run / "model", plain) for p in folder.iterdir()} == before
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    extras=st.sets(
+        st.sampled_from(["training.json", "training.safetensors", "tags.json", "notes.txt", "loader.py", ".hidden"])
+    ),
+    header=st.booleans(),
+)
+def test_only_a_folder_holding_what_export_wrote_is_replaced(tmp_path_factory, extras, header):
+    """Oracle: replaceable exactly when the folder holds an export's files and nothing else,
+    its weights' header naming the format as export writes it."""
+    from safetensors.torch import load_file
+
+    from probformer.deploy import exporter
+
+    folder = probformer.export(transformer(), tmp_path_factory.mktemp("e") / "model", vocabulary=None)
+    if not header:  # rewritten as a training run writes its weights
+        save_file(load_file(str(folder / "model.safetensors")), str(folder / "model.safetensors"))
+    for name in extras:
+        (folder / name).write_text("{}")
+    if not extras and header:
+        exporter._check_replaceable(folder)
+    else:
+        with pytest.raises(FileExistsError, match="is not a probformer export"):
+            exporter._check_replaceable(folder)
+
+
 def test_loaded_models_check_their_inputs(exported):
     for path in exported.values():
         model = probformer.load(path)
