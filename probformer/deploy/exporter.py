@@ -135,6 +135,7 @@ def export(
     ``path``.
     """
     _check_options(format, max_length, tolerance)
+    _check_outside_model_folders(Path(path))
     _check_replaceable(Path(path))
     model, vocabulary, undeclared = _source_model(model, vocabulary, format)
     tokens, mask = _example(model, example)
@@ -264,6 +265,22 @@ def _check_replaceable(path: Path) -> None:
     why = "it is a symlink" if path.is_symlink() else _not_an_export(path) if path.exists() else None
     if why:
         raise FileExistsError(f"{path} exists and is not a probformer export ({why}); choose another path or remove it")
+
+
+def _check_outside_model_folders(path: Path) -> None:
+    """A model folder (a run's ``model/``, a checkpoint, a torch export) holds only its model
+    files, and every reader refuses anything else in it: an export written inside one
+    would leave that model unreadable, so it is refused before anything is written."""
+    for folder in path.resolve().parents:
+        try:
+            record = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):  # no config.json, or not ours
+            continue
+        if isinstance(record, dict) and str(record.get("format", "")).startswith("probformer-"):
+            raise ValueError(
+                f"{path} lies inside the model folder {folder}, which may hold only its model files "
+                "(every reader refuses anything else there); choose a path outside it"
+            )
 
 
 def _replace(path: Path, write) -> None:

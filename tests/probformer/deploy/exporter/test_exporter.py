@@ -497,6 +497,41 @@ def test_only_a_folder_holding_what_export_wrote_is_replaced(tmp_path_factory, e
             exporter._check_replaceable(folder)
 
 
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory):
+    """A run's model/, a training checkpoint and a torch export of one model."""
+    from probformer.training import run_checkpoints
+
+    root, model = tmp_path_factory.mktemp("folders"), transformer()
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = run_checkpoints.save_training_checkpoint(root / "run", 2, model, optimizer, None, {"step": 2})
+    run_checkpoints.save_final_model(root / "run", model, None, None)
+    return model, [root / "run" / "model", step, probformer.export(model, root / "export")]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    which=st.integers(0, 2),
+    below=st.lists(st.sampled_from(["sub", "deeper", "model"]), max_size=2),
+    name=st.sampled_from(["model.onnx", "model.pt2", "model", "config.json"]),
+)
+def test_export_refuses_a_path_inside_a_model_folder(model_folders, which, below, name):
+    """Oracle: the folder's bytes are unchanged and it still loads as the same model."""
+    model, folders = model_folders
+    folder = folders[which]
+    before = {p: p.read_bytes() for p in folder.iterdir()}
+    format = {".onnx": "onnx", ".pt2": "exported"}.get(Path(name).suffix, "torch")
+    with pytest.raises(ValueError, match=f"lies inside the model folder {folder}"):
+        probformer.export(model, folder.joinpath(*below, name), format)
+    assert {p: p.read_bytes() for p in folder.iterdir()} == before
+    assert_reproduces(model, probformer.load(folder))
+
+
+def test_export_beside_a_model_folder_is_written(model_folders):
+    model, folders = model_folders
+    assert_reproduces(model, probformer.load(probformer.export(model, folders[0].parent / "beside.pt2", "exported")))
+
+
 def test_loaded_models_check_their_inputs(exported):
     for path in exported.values():
         model = probformer.load(path)
