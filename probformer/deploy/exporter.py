@@ -2,7 +2,8 @@
 
     export(model, path, format="torch")     a folder: config.json (format, model kind,
                                             config) and model.safetensors, the folder
-                                            model.save_pretrained writes; no code
+                                            model.save_pretrained writes; no code (plus
+                                            the vocabulary and a tagger's tags.json)
     export(model, path, format="exported")  a torch.export ExportedProgram (.pt2) with a
                                             dynamic batch and sequence length
     export(model, path, format="onnx")      ONNX through torch's exporter
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import json
 import logging
@@ -129,7 +131,8 @@ def export(
     ``example``: tokens ``[B, n]`` or ``(tokens, mask)`` to check the artefact on (default:
     three random rows, two of them padded). ``vocabulary`` (taken from the checkpoint when
     ``model`` is a path) is written next to a "torch" export as vocabulary.json (and
-    tokenizer.json for a subword vocabulary). ``max_length`` caps the traced formats'
+    tokenizer.json for a subword vocabulary), and so are a tagger's tag names (tags.json,
+    from the model folder's tags.json or a checkpoint's training.json). ``max_length`` caps the traced formats'
     input length (FoldedContext: default 512). Raises if the artefact's logits differ from
     the source's by more than ``tolerance`` anywhere; a failed export leaves nothing at
     ``path``.
@@ -137,10 +140,11 @@ def export(
     _check_options(format, max_length, tolerance)
     _check_outside_model_folders(Path(path))
     _check_replaceable(Path(path))
-    model, vocabulary, undeclared = _source_model(model, vocabulary, format)
+    model, vocabulary, tags, undeclared = _source_model(model, vocabulary, format)
     tokens, mask = _example(model, example)
     expected = _logits_in_eval_mode(model, tokens, mask)
-    writer = {"torch": _write_folder, "exported": _write_exported, "onnx": _write_onnx}[format]
+    writers = {"torch": functools.partial(_write_folder, tags=tags), "exported": _write_exported, "onnx": _write_onnx}
+    writer = writers[format]
 
     def write_and_check(target: Path) -> None:
         _write_traced(writer, target, model, vocabulary, max_length, format, undeclared)
@@ -169,14 +173,21 @@ def _check_options(format, max_length, tolerance) -> None:
         raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
 
 
-def _source_model(model, vocabulary, format: str) -> tuple[nn.Module, object, list[str]]:
-    """``(model, vocabulary, its undeclared user factors)``: a model folder loaded, and the
-    model checked exportable in ``format``."""
+def _source_model(model, vocabulary, format: str) -> tuple[nn.Module, object, list[str] | None, list[str]]:
+    """``(model, vocabulary, a tagger's tag names, its undeclared user factors)``: a model
+    folder loaded, and the model checked exportable in ``format``."""
+    tags = None
     if isinstance(model, str | Path):
+        from probformer.training.checkpoint import load_tags
         from probformer.training.evaluate import load_any
 
-        model, stored = load_any(model)
+        source = model
+        model, stored = load_any(source)
         vocabulary = vocabulary or stored
+        if (
+            getattr(model.config, "task", None) == "tagging"
+        ):  # the tag names the classes: evaluate --task pos reads them
+            tags = load_tags(source, model.config.num_classes)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a probformer model or a checkpoint path, got {type(model).__name__}")
     kind = registry.kind_of(model)  # raises for a foreign module
@@ -185,7 +196,7 @@ def _source_model(model, vocabulary, format: str) -> tuple[nn.Module, object, li
         _refuse_untraceable(kind, model, format)
     undeclared = declared.undeclared_factors(model)
     _refuse_undeclared_factors(undeclared, format)
-    return model, vocabulary, undeclared
+    return model, vocabulary, tags, undeclared
 
 
 def _logits_in_eval_mode(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -212,7 +223,7 @@ def _write_traced(writer, target: Path, model, vocabulary, max_length, format: s
 
 
 # what export writes into a torch folder: a folder holding anything else is not replaced
-EXPORT_FILES = ("config.json", "model.safetensors", "vocabulary.json", "tokenizer.json")
+EXPORT_FILES = ("config.json", "model.safetensors", "vocabulary.json", "tokenizer.json", "tags.json")
 # the earlier torch format also wrote its loader module beside the weights
 EARLIER_EXPORT_FILES = {"probformer-torch/1": ("probformer_runtime.py",)}
 
@@ -300,12 +311,14 @@ def _replace(path: Path, write) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_folder(folder: Path, model, vocabulary, max_length) -> None:
+def _write_folder(folder: Path, model, vocabulary, max_length, tags=None) -> None:
     pretrained.save_pretrained(model, folder)  # the same folder as model.save_pretrained, plus the vocabulary
     if vocabulary is not None:
         (folder / "vocabulary.json").write_text(json.dumps(vocabulary.words))
         if hasattr(vocabulary, "tokenizer"):
             vocabulary.save(folder / "tokenizer.json")
+    if tags is not None:
+        (folder / "tags.json").write_text(json.dumps(tags))
 
 
 def _trace_inputs(module) -> tuple[torch.Tensor, torch.Tensor]:

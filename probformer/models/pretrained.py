@@ -14,8 +14,8 @@ picks the class (``registry.KINDS``), the config is checked by its config class,
 weights against a model built from it, before anything is allocated at full size. Nothing
 in the folder is ever run: weights come from safetensors, never from pickle, and any file
 other than config.json, model.safetensors, vocabulary.json and tokenizer.json is refused,
-except a training checkpoint's state beside the model (training.json, training.safetensors,
-tags.json: data, never read here).
+except a training checkpoint's state beside the model (training.json, training.safetensors)
+and a tagger's tag names (tags.json): data, never read here.
 
 One model folder: a training run's ``model/``, each of its checkpoints and a torch export
 are this folder (``probformer-checkpoint/1``, what runs wrote before, reads the same way),
@@ -48,7 +48,8 @@ TORCH_FORMAT = "probformer-torch/2"
 FOLDER_FORMATS = (TORCH_FORMAT, "probformer-checkpoint/1")
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 FOLDER_FILES = (CONFIG_NAME, WEIGHTS_NAME, "vocabulary.json", "tokenizer.json")
-# a training checkpoint's state, kept beside the model files; data that no model reader opens
+# a training checkpoint's state and a tagger's tag names, kept beside the model files; data that no
+# model reader opens
 TRAINING_FILES = ("training.json", "training.safetensors", "tags.json")
 # bytes read at most, checked on the file's size before reading it
 LIMITS = {"json": 64 << 20, "safetensors": 16 << 30}

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from probformer.models import pretrained, registry
 from probformer.training.data import SubwordVocabulary, Vocabulary
 
-__all__ = ["save", "load", "FORMAT", "WriteError", "write_failure"]
+__all__ = ["save", "load", "load_tags", "FORMAT", "WriteError", "write_failure"]
 
 FORMAT = pretrained.TORCH_FORMAT  # one format with the torch export
 
@@ -109,3 +109,34 @@ def load(directory):
     elif (directory / "vocabulary.json").is_file():
         vocabulary = Vocabulary(_read_json(directory / "vocabulary.json"))  # checked by load_files
     return model, vocabulary
+
+
+def load_tags(path, num_classes: int) -> list[str] | None:
+    """The tag names of a tagger's model folder, index -> tag: its ``tags.json`` (a run's
+    ``model/``, a torch export), else the ``tags`` its ``training.json`` recorded (a
+    checkpoint); ``path`` as ``load`` takes it. ``None`` when the folder records none.
+    ``ValueError`` naming the file unless they are ``num_classes`` distinct strings: a
+    list of another length would score each class under another tag's name."""
+    folder = pretrained.model_folder(path)
+    where = folder / "tags.json"
+    if where.is_file():
+        tags = pretrained.read_json(where)
+    elif (folder / "training.json").is_file():
+        where = folder / "training.json"
+        record = pretrained.read_json(where)
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: a checkpoint's training state is a JSON object, got {type(record).__name__}")
+        tags = record.get("tags")
+        if tags is None:
+            return None
+        where = f"{where} (its 'tags')"
+    else:
+        return None
+    if not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+        raise ValueError(f"{where}: the tags are a JSON list of strings (index -> tag), got {str(tags)[:80]}")
+    repeated = sorted({t for t in tags if tags.count(t) > 1})
+    if repeated:
+        raise ValueError(f"{where}: the tags {repeated[:5]} appear more than once; each names one class")
+    if len(tags) != num_classes:
+        raise ValueError(f"{where}: {len(tags)} tags, but the model has num_classes = {num_classes} outputs")
+    return tags

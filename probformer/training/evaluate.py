@@ -29,7 +29,6 @@ import torch
 from probformer.models import pretrained
 from probformer.training import checkpoint, data
 from probformer.training.corpus import windows
-from probformer.training.run_checkpoints import latest_checkpoint
 from probformer.training.run_config import DataConfig
 from probformer.training.validation import evaluate_model
 
@@ -178,7 +177,7 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
         raise ValueError(
             f"--task {task} needs a model trained for {needed!r}, got {type(model).__name__} ({learned!r})"
         )
-    tags = _checkpoint_tags(path) if task == "pos" else None
+    tags = _checkpoint_tags(path, model.config.num_classes) if task == "pos" else None
     examples, windowed = encode_windows(trees, vocabulary, max_length, tags, task)
     if not examples:
         raise ValueError(f"--data {source} --split {split} holds no sentences to evaluate")
@@ -202,14 +201,11 @@ def _trained_mask_rate(path) -> float:
     return DataConfig().mask_rate
 
 
-def _checkpoint_tags(path) -> list[str]:
-    path = Path(path)
-    for candidate in (path / "tags.json", path / "model" / "tags.json"):
-        if candidate.is_file():
-            return json.loads(candidate.read_text())
-    if (path / "checkpoints" / "latest").is_file():
-        return json.loads((latest_checkpoint(path) / "training.json").read_text())["tags"]
-    raise FileNotFoundError(f"{path} records no tag set (tags.json): was it trained with data.task='pos'?")
+def _checkpoint_tags(path, num_classes: int) -> list[str]:
+    tags = checkpoint.load_tags(path, num_classes)
+    if tags is None:
+        raise FileNotFoundError(f"{path} records no tag set (tags.json): was it trained with data.task='pos'?")
+    return tags
 
 
 def print_table(task: str, metrics: dict) -> None:

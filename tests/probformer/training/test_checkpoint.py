@@ -2,6 +2,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import probformer as pf
 from probformer.training import checkpoint, data
@@ -110,3 +112,55 @@ def test_save_into_an_unwritable_folder_is_one_error_naming_the_path(tmp_path):
         with pytest.raises(checkpoint.WriteError, match=f"cannot write {locked}"):
             checkpoint.save(model, locked)
         assert list(locked.iterdir()) == []
+
+
+TAGS = ["ADJ", "NOUN", "VERB"]
+
+
+@pytest.fixture(scope="module")
+def tagger_folder(tmp_path_factory):
+    """A tagging model with three classes, as checkpoint.save writes it."""
+    from probformer.models import registry
+
+    torch.manual_seed(0)
+    config = {"vocab_size": 8, "width": 8, "heads": 2, "layers": 1, "ffn_width": 8, "task": "tagging"}
+    model = registry.build("transformer", {**config, "num_classes": len(TAGS)})
+    return checkpoint.save(model, tmp_path_factory.mktemp("tagger") / "model")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tags=st.one_of(
+        st.lists(st.sampled_from([*TAGS, "X", "PUNCT"]), max_size=5),
+        st.lists(st.one_of(st.integers(), st.none(), st.text(max_size=3)), max_size=4),
+        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+        st.text(max_size=5),
+    ),
+    where=st.sampled_from(["tags.json", "training.json"]),
+)
+def test_tags_are_distinct_strings_one_per_class_wherever_they_are_stored(tagger_folder, tmp_path_factory, tags, where):
+    """Oracle: accepted exactly when the tags are a list of distinct strings of num_classes
+    entries; anything else is a ValueError naming the file (a tagger's tags.json, or the
+    'tags' of a checkpoint's training.json)."""
+    folder = tmp_path_factory.mktemp("copy")
+    for file in tagger_folder.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    record = tags if where == "tags.json" else {"step": 2, "tags": tags}
+    (folder / where).write_text(json.dumps(record))
+    valid = isinstance(tags, list) and all(isinstance(t, str) for t in tags) and len(set(tags)) == len(tags) == 3
+    if valid:
+        assert checkpoint.load_tags(folder, len(TAGS)) == tags
+    else:
+        with pytest.raises(ValueError, match=f"{folder / where}"):
+            checkpoint.load_tags(folder, len(TAGS))
+
+
+def test_a_folder_without_tags_has_none_and_unreadable_tags_name_the_file(tagger_folder, tmp_path):
+    assert checkpoint.load_tags(tagger_folder, len(TAGS)) is None
+    for file in tagger_folder.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    (tmp_path / "training.json").write_text(json.dumps({"step": 2, "tags": None}))  # an mlm checkpoint's
+    assert checkpoint.load_tags(tmp_path, len(TAGS)) is None
+    (tmp_path / "tags.json").write_text("not json")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'tags.json'} is not valid JSON"):
+        checkpoint.load_tags(tmp_path, len(TAGS))

@@ -45,6 +45,31 @@ def test_pos_tagging_and_attachment_scores(tmp_path, tiny_ewt):
     assert uas["left_neighbour_baseline"] == pytest.approx(1 / 5)
 
 
+def test_pos_reads_the_tags_of_every_folder_a_tagger_is_stored_in(tmp_path, tiny_ewt):
+    """A checkpoint keeps its tags in training.json and a torch export copies tags.json:
+    both score exactly as the run's model/ does (the same weights). A tags.json that does
+    not give one distinct tag per class is refused naming the file."""
+    import json
+    import shutil
+
+    import probformer
+    from probformer.training.run_checkpoints import latest_checkpoint
+
+    config = write_config(tmp_path, source="ewt", task="pos", max_length=10, steps=2)
+    train(config, tmp_path / "run", progress=False)
+    expected = evaluate(tmp_path / "run", "pos", "ewt")
+    exported = probformer.export(tmp_path / "run", tmp_path / "export")
+    assert (exported / "tags.json").read_text() == (tmp_path / "run" / "model" / "tags.json").read_text()
+    for folder in (latest_checkpoint(tmp_path / "run"), exported):
+        assert evaluate(folder, "pos", "ewt") == expected
+    tags = json.loads((tmp_path / "run" / "model" / "tags.json").read_text())
+    for written in (["AAA", *tags], tags[:-1], [*tags[:-1], tags[0]], "not json"):
+        edited = shutil.copytree(tmp_path / "run" / "model", tmp_path / "edited", dirs_exist_ok=True)
+        (edited / "tags.json").write_text(written if isinstance(written, str) else json.dumps(written))
+        with pytest.raises(ValueError, match=str(edited / "tags.json")):
+            evaluate(edited, "pos", "ewt")
+
+
 class FixedHeads(torch.nn.Module):
     """A stand-in PT for attachment_scores: ``channels`` head channels, these virtual nodes,
     and head marginals ``heads(B, n)`` [B, C, N, N] written by the test."""
