@@ -190,8 +190,9 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
 def _trained_mask_rate(path) -> float:
     """The masking rate the run trained with (its run.json: a run folder, its model folder or
     one of its checkpoints), else the default's: a perplexity read at another rate is
-    another number."""
-    path = Path(path)
+    another number. The path is resolved first: a relative ``step-0000004`` read from a
+    run's ``checkpoints/`` has no parents to find the run by."""
+    path = Path(path).resolve()
     for record in (folder / "run.json" for folder in (path, path.parent, path.parent.parent)):
         if record.is_file():
             try:

@@ -166,3 +166,26 @@ def test_mlm_evaluation_masks_at_the_rate_the_run_trained_with(tmp_path):
     (run / "run.json").write_text(json.dumps({"data": {}}))  # a run that says nothing is not the default
     with pytest.raises(ValueError, match="records no readable data.mask_rate"):
         _trained_mask_rate(run / "model")
+
+
+@pytest.mark.parametrize(
+    "cwd, relative",
+    [
+        ("checkpoints", "step-0000004"),
+        ("checkpoints/step-0000004", "."),
+        ("model", "."),
+        ("checkpoints", "../model"),
+        ("", "model"),
+    ],
+)
+def test_the_trained_mask_rate_is_found_from_a_relative_path(tmp_path, monkeypatch, cwd, relative):
+    import json
+
+    from probformer.training.evaluate import _trained_mask_rate
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "checkpoints" / "step-0000004").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"data": {"mask_rate": 0.3}}))
+    monkeypatch.chdir(run / cwd)
+    assert _trained_mask_rate(relative) == 0.3
