@@ -15,7 +15,8 @@ weights against a model built from it, before anything is allocated at full size
 in the folder is ever run: weights come from safetensors, never from pickle, and any file
 other than config.json, model.safetensors, vocabulary.json and tokenizer.json is refused,
 except a training checkpoint's state beside the model (training.json, training.safetensors)
-and a tagger's tag names (tags.json): data, never read here.
+and a tagger's tag names (tags.json): data, never read here. vocabulary.json and tokenizer.json
+are checked against the model and each other (``folder_data.check_vocabulary``).
 
 One model folder: a training run's ``model/``, each of its checkpoints and a torch export
 are this folder (``probformer-checkpoint/1``, what runs wrote before, reads the same way),
@@ -29,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,9 +39,11 @@ from torch import nn
 from probformer.models import registry
 from probformer.models.blocks import non_finite
 from probformer.models.declared import check_declared, undeclared_factors
+from probformer.models.folder_data import LIMITS, check_vocabulary, read_bytes, read_json
 
 __all__ = ["PretrainedMixin", "save_pretrained", "from_pretrained", "load_files", "folder_files", "model_folder"]
 __all__ += ["write_folder", "TORCH_FORMAT", "FOLDER_FORMATS"]
+__all__ += ["read_bytes", "read_json", "LIMITS"]  # folder_data's, shared with probformer.load
 
 TORCH_FORMAT = "probformer-torch/2"
 # the record a model folder may carry: the torch export's, and the one training runs wrote before
@@ -51,8 +53,6 @@ FOLDER_FILES = (CONFIG_NAME, WEIGHTS_NAME, "vocabulary.json", "tokenizer.json")
 # a training checkpoint's state and a tagger's tag names, kept beside the model files; data that no
 # model reader opens
 TRAINING_FILES = ("training.json", "training.safetensors", "tags.json")
-# bytes read at most, checked on the file's size before reading it
-LIMITS = {"json": 64 << 20, "safetensors": 16 << 30}
 # "owner/name": what from_pretrained looks up on the Hugging Face hub when no such folder exists
 HUB_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
@@ -74,35 +74,6 @@ class PretrainedMixin:
 
 
 # ---- reading files, shared with probformer.load --------------------------------------------
-
-
-def read_bytes(path: Path, limit: int, what: str) -> bytes:
-    """The content of a regular file of at most ``limit`` bytes, checked on its size
-    before it is read."""
-    info = path.stat()
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"{path} is not a regular file")
-    if info.st_size > limit:
-        raise ValueError(f"{path}: {info.st_size} bytes; a {what} file may have at most {limit}")
-    if info.st_size == 0:
-        raise ValueError(f"{path} is empty")
-    return path.read_bytes()
-
-
-def read_json(path: Path):
-    """A model folder's JSON; a key given twice in one object is refused (readers disagree on
-    which value wins)."""
-
-    def unique(pairs):
-        found = dict(pairs)
-        if len(found) < len(pairs):
-            raise ValueError(f"{path} gives a key more than once in one object ({len(pairs) - len(found)} repeats)")
-        return found
-
-    try:
-        return json.loads(read_bytes(path, LIMITS["json"], "json").decode("utf-8"), object_pairs_hook=unique)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
 
 
 def check_record(meta, expected_format: str | tuple[str, ...], where, extra_keys=()) -> None:
@@ -307,21 +278,8 @@ def load_files(files: dict[str, Path], kind: str | None = None) -> nn.Module:
     expected = model.state_dict(keep_vars=True)
     by_tensor = {id(expected[name]): tensor for name, tensor in weights.items()}
     model.load_state_dict({name: by_tensor[id(t)] for name, t in expected.items()})  # aliases take their twin
-    _check_vocabulary(files, model)
+    check_vocabulary(files, model.config.vocab_size)
     return model
-
-
-def _check_vocabulary(files: dict[str, Path], model) -> None:
-    if "vocabulary.json" in files:
-        words = read_json(files["vocabulary.json"])
-        if not (isinstance(words, list) and all(isinstance(w, str) for w in words)):
-            raise ValueError(f"{files['vocabulary.json']}: a vocabulary is a JSON list of strings")
-        if len(words) != model.config.vocab_size:
-            raise ValueError(
-                f"{files['vocabulary.json']}: {len(words)} words, but vocab_size is {model.config.vocab_size}"
-            )
-    if "tokenizer.json" in files and not isinstance(read_json(files["tokenizer.json"]), dict):
-        raise ValueError(f"{files['tokenizer.json']}: a tokenizer file is a JSON object")
 
 
 def from_pretrained(

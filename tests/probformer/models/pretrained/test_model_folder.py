@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import probformer as pf
 from probformer import cli
@@ -120,6 +122,96 @@ def test_training_files_are_the_only_extras_a_model_folder_takes(folders, tmp_pa
     (folder / "optimizer.pt").write_bytes(b"\x80\x04")  # a pickle beside the model: refused, never read
     with pytest.raises(ValueError, match="unexpected 'optimizer.pt'"):
         pf.load(folder)
+
+
+# ---- a subword folder reads with the tokenizer it was trained with ------------------------------
+
+
+def subword_vocabulary(words: list[str]):
+    lines = [" ".join(words[i : i + 5]) for i in range(0, len(words), 3)]
+    return data.SubwordVocabulary.train(lines, 60)
+
+
+@pytest.fixture(scope="module")
+def subword(tmp_path_factory):
+    """A subword model's folder (checkpoint.save) and its torch export; and a tokenizer of
+    another text with as many pieces."""
+    root = tmp_path_factory.mktemp("subword")
+    vocabulary = subword_vocabulary("the quick brown fox jumps over the lazy dog and then the fox sleeps".split())
+    other = subword_vocabulary("the lazy dog jumps over the quick brown fox and then the dog sleeps".split())
+    assert len(other) == len(vocabulary) and other.words != vocabulary.words
+    torch.manual_seed(0)
+    config = {"vocab_size": len(vocabulary), "width": 8, "heads": 2, "layers": 1, "ffn_width": 8}
+    model = registry.build("transformer", config).eval()
+    folder = checkpoint.save(model, root / "model", vocabulary)
+    other.save(root / "other-tokenizer.json")
+    return {"folder": folder, "export": pf.export(folder, root / "export"), "other": root / "other-tokenizer.json"}
+
+
+def copy_folder(source: Path, target: Path) -> Path:
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+def test_every_subword_folder_kind_reads_with_its_tokenizer(subword):
+    for folder in (subword["folder"], subword["export"]):
+        model, vocabulary = checkpoint.load(folder)
+        assert isinstance(vocabulary, data.SubwordVocabulary) and len(vocabulary) == model.config.vocab_size
+        pf.load(folder)
+
+
+@settings(max_examples=40, deadline=None)
+@given(first=st.integers(0, 10**6), second=st.integers(0, 10**6))
+def test_vocabulary_json_must_be_the_tokenizers_pieces(subword, tmp_path_factory, first, second):
+    """Oracle: two ids of vocabulary.json exchanged: the folder reads exactly when the list is
+    unchanged (the same id twice); otherwise every reader refuses it naming tokenizer.json."""
+    folder = copy_folder(subword["folder"], tmp_path_factory.mktemp("swap") / "model")
+    words = json.loads((folder / "vocabulary.json").read_text())
+    i, j = first % len(words), second % len(words)
+    swapped = list(words)
+    swapped[i], swapped[j] = words[j], words[i]
+    (folder / "vocabulary.json").write_text(json.dumps(swapped))
+    if swapped == words:
+        checkpoint.load(folder)
+    else:
+        for read in (checkpoint.load, pf.load, pf.from_pretrained):
+            with pytest.raises(ValueError, match=f"{folder / 'tokenizer.json'} is not the tokenizer of"):
+                read(folder)
+
+
+def test_a_tokenizer_from_another_run_or_none_is_refused_naming_the_file(subword, tmp_path):
+    mixed = copy_folder(subword["folder"], tmp_path / "mixed")
+    (mixed / "tokenizer.json").write_bytes(subword["other"].read_bytes())  # same size, other pieces
+    with pytest.raises(ValueError, match=f"{mixed / 'tokenizer.json'} is not the tokenizer of"):
+        checkpoint.load(mixed)
+    lost = copy_folder(subword["folder"], tmp_path / "lost")
+    (lost / "tokenizer.json").unlink()  # read as words, it encoded every text into other ids
+    with pytest.raises(ValueError, match=f"{lost / 'vocabulary.json'} holds WordPiece continuation pieces"):
+        checkpoint.load(lost)
+    (lost / "vocabulary.json").unlink()
+    (lost / "tokenizer.json").write_bytes(subword["other"].read_bytes())
+    checkpoint.load(lost)  # a tokenizer alone has as many pieces as the model has ids
+    (lost / "tokenizer.json").write_text(json.dumps({"model": "not a tokenizer"}))
+    with pytest.raises(ValueError, match=f"{lost / 'tokenizer.json'} is not a tokenizers JSON file"):
+        checkpoint.load(lost)
+
+
+@settings(max_examples=60, deadline=None)
+@given(words=st.lists(st.text(alphabet="#ab", min_size=1, max_size=4), min_size=1, max_size=9, unique=True))
+def test_a_word_vocabulary_without_a_tokenizer_reads_unless_it_holds_wordpiece_pieces(tmp_path_factory, words):
+    """Oracle: refused exactly when a word is a continuation piece of one character ('##a'),
+    which WordPiece keeps for every character and a word vocabulary holds only from its text."""
+    words = [w for w in words if w not in ("<pad>", "<unk>", "<mask>")]
+    vocabulary = data.Vocabulary(["<pad>", "<unk>", "<mask>", *words])
+    config = {"vocab_size": len(vocabulary), "width": 8, "heads": 2, "layers": 1, "ffn_width": 8}
+    folder = checkpoint.save(registry.build("transformer", config), tmp_path_factory.mktemp("words"), vocabulary)
+    if any(len(w) == 3 and w.startswith("##") for w in words):
+        with pytest.raises(ValueError, match="holds WordPiece continuation pieces"):
+            checkpoint.load(folder)
+    else:
+        assert checkpoint.load(folder)[1].words == vocabulary.words
 
 
 # ---- a failed save leaves the parent as it was -------------------------------------------------
