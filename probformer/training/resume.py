@@ -12,7 +12,7 @@ from pathlib import Path
 
 from probformer.training import run_config
 from probformer.training.data import text_lines
-from probformer.training.run_checkpoints import latest_checkpoint
+from probformer.training.run_checkpoints import latest_checkpoint, read_record, read_training_state
 from probformer.training.run_config import RunConfig
 
 __all__ = ["RESUMABLE_CHANGES", "resume_source", "check_same_encoding", "text_fingerprint", "saved_fingerprint"]
@@ -30,7 +30,7 @@ def resume_source(out: Path, config: RunConfig) -> Path | None:
         raise FileNotFoundError(f"--resume: {out} does not exist (nothing to resume)")
     saved = out / "run.json"
     if saved.is_file():
-        _check_resumable(config, json.loads(saved.read_text()), out)
+        _check_resumable(config, read_record(saved, {"model": dict, "data": dict, "train": dict}), out)
     elif any(not entry.name.startswith(".") for entry in out.iterdir()):
         raise FileNotFoundError(f"--resume: {out} is not a run folder ({saved} is missing)")
     if not (out / "checkpoints" / "latest").is_file():
@@ -59,7 +59,7 @@ def _check_resumable(config: RunConfig, saved: dict, out: Path) -> None:
 
 def check_same_encoding(resume_from: Path, corpus, saved_vocabulary, source: str) -> None:
     """The data must encode exactly as it did for the checkpoint: the same words and tags."""
-    saved_tags = json.loads((resume_from / "training.json").read_text()).get("tags")
+    saved_tags = read_training_state(resume_from).get("tags")
     if list(corpus.vocabulary.words) != list(saved_vocabulary.words) or corpus.tags != saved_tags:
         raise ValueError(
             f"vocabulary mismatch between checkpoint {resume_from} ({len(saved_vocabulary)} words, "

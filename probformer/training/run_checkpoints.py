@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from probformer.models import registry
+from probformer.models.folder_data import read_json
 from probformer.models.pretrained import check_finite
 from probformer.training import checkpoint, crash_points
 from probformer.training.checkpoint import WriteError, write_failure
@@ -42,8 +43,20 @@ __all__ = [
     "save_final_model",
     "remove_stale_temporaries",
     "write_text_atomic",
+    "read_record",
+    "read_training_state",
     "WriteError",
 ]
+
+NUMBER = (int, float)
+# what a resume reads from a checkpoint's training.json, with its type: the counters and the
+# optimiser groups it cannot go on without, and the log and early-stopping state when present
+TRAINING_KEYS = {"step": int, "epoch": int, "batch_in_epoch": int, "tokens_seen": int, "elapsed": NUMBER}
+TRAINING_KEYS |= {"param_groups": list}
+TRAINING_OPTIONAL = {"tags": (list, type(None)), "early_stopping": dict, "metrics_lines": int}
+TRAINING_OPTIONAL |= {"window_loss": NUMBER, "window_steps": int}
+TYPE_NAMES = {int: "an integer", NUMBER: "a number", list: "a JSON list", dict: "a JSON object"}
+TYPE_NAMES |= {(list, type(None)): "a JSON list or null"}
 
 
 def latest_checkpoint(run_dir) -> Path:
@@ -66,6 +79,28 @@ def write_text_atomic(path: Path, text: str) -> None:
     except OSError as error:
         temporary.unlink(missing_ok=True)
         raise write_failure(path, error) from None
+
+
+def read_record(path: Path, keys: dict, optional: dict | None = None) -> dict:
+    """The JSON object in the run file ``path``, each of ``keys`` (and of ``optional``, when
+    present) holding a value of its type; else ``ValueError`` naming the file and the key: a
+    damaged or hand-edited file is said to be one, not met as a KeyError inside a resume."""
+    record = read_json(path)  # bad JSON, an empty file: ValueError naming it
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} must hold a JSON object with the keys {sorted(keys)}, got {type(record).__name__}")
+    missing = sorted(set(keys) - set(record))
+    if missing:
+        raise ValueError(f"{path} lacks the key(s) {missing}; it must hold {sorted(keys)}: the file is damaged")
+    for key, kind in {**keys, **{k: v for k, v in (optional or {}).items() if k in record}}.items():
+        value = record[key]
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+            raise ValueError(f"{path}: {key!r} must be {TYPE_NAMES[kind]}, got {type(value).__name__} {value!r:.60}")
+    return record
+
+
+def read_training_state(checkpoint_folder: Path) -> dict:
+    """A checkpoint's ``training.json``, checked (``read_record``)."""
+    return read_record(Path(checkpoint_folder) / "training.json", TRAINING_KEYS, TRAINING_OPTIONAL)
 
 
 def _pointed_name(folder: Path) -> str | None:
@@ -162,14 +197,22 @@ def restore_training_checkpoint(source: Path, model, optimizer) -> dict:
     the RNG state; the counters saved with it."""
     saved, _ = checkpoint.load(source)
     model.load_state_dict(saved.state_dict())
-    counters = json.loads((source / "training.json").read_text())
+    counters = read_training_state(source)
     path = source / "training.safetensors"
     try:
         tensors = load_file(str(path))
     except Exception as error:  # safetensors raises its own errors on truncated or foreign files
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
-    _load_optimizer_state(optimizer, tensors, counters["param_groups"])
-    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.torch" not in tensors:
+        raise ValueError(f"{path} lacks the tensor 'rng.torch' (the RNG state a resume continues from): it is damaged")
+    try:
+        _load_optimizer_state(optimizer, tensors, counters["param_groups"])
+        torch.set_rng_state(tensors["rng.torch"])
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as error:
+        raise ValueError(
+            f"{path} and the param_groups of {source / 'training.json'} do not restore this run's optimiser and "
+            f"RNG state: {error}"
+        ) from None
     return counters
 
 

@@ -173,7 +173,7 @@ class RunConfig:
         model = values.get("model")
         if not isinstance(model, dict) or "kind" not in model:
             raise ValueError(f"config table [model] needs 'kind', one of {sorted(registry.KINDS)}")
-        if model["kind"] not in registry.KINDS:
+        if not isinstance(model["kind"], str) or model["kind"] not in registry.KINDS:  # a list is unhashable
             raise ValueError(f"config key 'model.kind' must be one of {sorted(registry.KINDS)}, got {model['kind']!r}")
         for filled in ("vocab_size", "num_classes", "task"):
             if filled in model:

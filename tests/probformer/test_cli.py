@@ -222,6 +222,7 @@ def test_user_errors_of_every_verb_are_one_line(tmp_path, capsys, monkeypatch, h
         (IN_PROCESS, {}, ["--set", "train.bf16=yes"], "config key 'train.bf16' must be of type bool, got str 'yes'"),
         (IN_PROCESS, {}, ["--set", 'model.weights={unary="1e400"}'], "config key 'model.weights.unary' must be"),
         (IN_PROCESS, {}, ["--set", "optimiser.lr=1"], "unknown config table 'optimiser'"),
+        (IN_PROCESS, {}, ["--set", 'model.kind=["transformer"]'], "config key 'model.kind' must be one of"),
         (IN_PROCESS, {}, ["--set", "lr=1"], "expected TABLE.KEY=VALUE"),
     ],
 )

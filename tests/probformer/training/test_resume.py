@@ -7,14 +7,20 @@ run's (wall-clock fields aside: ``elapsed`` and ``tokens_per_second``)."""
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from probformer.training import checkpoint, crash_points
+from probformer.training import checkpoint, crash_points, run_config
 from probformer.training.run_log import WALL_CLOCK_KEYS
 from probformer.training.trainer import latest_checkpoint, train
 from tests.processes import fork_context
@@ -161,3 +167,134 @@ def test_one_hundred_random_sigkills_resume_identically(tmp_path):
     result = kill_and_resume(trials=100, folder=tmp_path, seed=0)
     assert result["killed"] == 100
     assert result["identical"] == 100, result["failures"][:5]
+
+
+# ---- damaged run files are refused naming the file and the key ---------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+TABLES = st.sampled_from(["model", "data", "train"])
+
+
+@settings(max_examples=80, deadline=None)
+@given(record=JSON | st.dictionaries(TABLES, JSON | st.dictionaries(st.text(max_size=4), JSON, max_size=2), max_size=3))
+def test_any_run_json_is_resumed_or_refused_naming_it(tmp_path_factory, record):
+    """Oracle: a run.json that is not an object of the three config tables is a ValueError
+    naming it (it was a JSONDecodeError, an AttributeError or "'int' object is not
+    iterable"); one that is goes on to the config comparison."""
+    from probformer.training.resume import resume_source
+
+    run = tmp_path_factory.mktemp("run")
+    (run / "run.json").write_text(json.dumps(record))
+    config = run_config.RunConfig.from_dict(tomllib.loads(TINY))
+    tables = isinstance(record, dict) and all(isinstance(record.get(t), dict) for t in ("model", "data", "train"))
+    if tables:
+        try:
+            resume_source(run, config)
+        except ValueError as error:
+            assert "--resume with a different config" in str(error)
+    else:
+        with pytest.raises(ValueError, match=re.escape(str(run / "run.json"))):
+            resume_source(run, config)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    """A training checkpoint as the trainer writes it (AdamW moments after one step)."""
+    from probformer.models import registry
+    from probformer.training import run_checkpoints
+
+    torch.manual_seed(0)
+    model = registry.build("transformer", {"vocab_size": 8, "width": 8, "heads": 2, "layers": 1, "ffn_width": 8})
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([[3, 4, 5]]))[0].sum().backward()
+    optimizer.step()
+    counters = {"step": 1, "epoch": 0, "batch_in_epoch": 1, "tokens_seen": 3, "elapsed": 0.5, "tags": None}
+    counters |= {"early_stopping": {"best_loss": None}, "metrics_lines": 1, "window_loss": 0.0, "window_steps": 0}
+    folder = run_checkpoints.save_training_checkpoint(
+        tmp_path_factory.mktemp("run"), 1, model, optimizer, None, counters
+    )
+    return folder, model
+
+
+def restore_copy(saved_checkpoint, target, edit_json=None, edit_tensors=None):
+    from safetensors.torch import load_file, save_file
+
+    from probformer.training import run_checkpoints
+
+    folder, model = saved_checkpoint
+    copy = shutil.copytree(folder, target)
+    if edit_json is not None:
+        (copy / "training.json").write_text(edit_json(json.loads((copy / "training.json").read_text())))
+    if edit_tensors is not None:
+        tensors = load_file(str(copy / "training.safetensors"))
+        save_file(edit_tensors(tensors), str(copy / "training.safetensors"))
+    return run_checkpoints.restore_training_checkpoint(copy, model, torch.optim.AdamW(model.parameters())), copy
+
+
+# the types a resume needs, restated here: the oracle of which edits are refused
+REQUIRED = ("step", "epoch", "batch_in_epoch", "tokens_seen", "elapsed", "param_groups")
+WRONG = ["x", None, [], {}, True, 1.5]
+# (key, value) edits that are still good state (an empty param_groups is refused when it is loaded)
+STILL_GOOD = {("tags", None), ("tags", "[]"), ("early_stopping", "{}"), ("elapsed", 1.5), ("window_loss", 1.5)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dropped=st.sets(st.sampled_from([*REQUIRED, "tags", "metrics_lines", "early_stopping"]), max_size=2),
+    changed=st.dictionaries(
+        st.sampled_from([*REQUIRED, "tags", "early_stopping", "window_loss"]), st.sampled_from(WRONG), max_size=2
+    ),
+)
+def test_a_damaged_training_json_is_refused_naming_it(saved_checkpoint, tmp_path_factory, dropped, changed):
+    """Oracle: a required key missing, or a key holding a value of another type, is a
+    ValueError naming training.json (it was a KeyError traceback); anything else restores."""
+
+    def edit(record):
+        record = {k: v for k, v in record.items() if k not in dropped}
+        return json.dumps({**record, **changed})
+
+    key = lambda value: json.dumps(value) if isinstance(value, list | dict) else value  # noqa: E731
+    refused = bool(set(dropped) & set(REQUIRED)) or any((k, key(v)) not in STILL_GOOD for k, v in changed.items())
+    target = tmp_path_factory.mktemp("copy") / "step"
+    if refused:
+        with pytest.raises(ValueError, match=re.escape(str(target / "training.json"))):
+            restore_copy(saved_checkpoint, target, edit)
+    else:
+        counters, _ = restore_copy(saved_checkpoint, target, edit)
+        assert counters["step"] == 1
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda tensors: {k: v for k, v in tensors.items() if k != "rng.torch"},
+        lambda tensors: {**tensors, "rng.torch": torch.zeros(3)},
+        lambda tensors: {**tensors, "optimizer.first.exp_avg": torch.zeros(2)},
+    ],
+    ids=["no rng", "bad rng", "bad optimizer name"],
+)
+def test_a_damaged_training_safetensors_is_refused_naming_it(saved_checkpoint, tmp_path, edit):
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "step" / "training.safetensors"))):
+        restore_copy(saved_checkpoint, tmp_path / "step", edit_tensors=edit)
+
+
+@pytest.mark.parametrize(
+    "file, content",
+    [("run.json", "garbage"), ("run.json", "[1,2]"), ("run.json", '{"model": 5}'), ("training.json", "{}")],
+)
+def test_train_resume_of_a_damaged_run_is_one_error_naming_the_file(tmp_path, reference, file, content):
+    """Through the CLI, as a user meets it: one line naming the file, no traceback."""
+    config, _ = reference
+    run = shutil.copytree(config.parent / "run", tmp_path / "run")
+    damaged = run / file if file == "run.json" else latest_checkpoint(run) / file
+    damaged.write_text(content)
+    result = subprocess.run(
+        [sys.executable, "-m", "probformer", "train", "--config", str(config), "--out", str(run), "--resume"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith(f"probformer train: error: {damaged}") and len(result.stderr.splitlines()) == 1

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from probformer.training import checkpoint, run_config
 from probformer.training.corpus import epoch_order
@@ -275,6 +277,26 @@ def test_absurd_values_are_refused_naming_the_key_and_the_limit(table, key, valu
     values = {"model": {"kind": "probabilistic_transformer"}, "data": {}, "train": {}}
     values[table][key] = value
     with pytest.raises(ValueError, match=rf"config key '{table}\.{key}' {re.escape(limit)}, got"):
+        run_config.RunConfig.from_dict(values)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    kind=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),
+        lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=4), inner, max_size=2),
+        max_leaves=4,
+    )
+)
+def test_model_kind_is_one_of_the_kinds_or_refused_naming_the_key(kind):
+    """Oracle: the registry's kind names are the only values; anything else (a list was an
+    unhashable-type TypeError) is a ValueError naming 'model.kind'."""
+    from probformer.models import registry
+
+    values = {"model": {"kind": kind}, "data": {}, "train": {}}
+    if isinstance(kind, str) and kind in registry.KINDS:
+        return
+    with pytest.raises(ValueError, match=r"config key 'model\.kind' must be one of"):
         run_config.RunConfig.from_dict(values)
 
 
