@@ -249,12 +249,11 @@ class CRF(nn.Module):
         return self.unary_table(inputs, mask) if self.embedding_size is None else self.embedding_table(inputs, mask)
 
     def check_embeddings(self, embeddings, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate embeddings ``[B, n, D]`` (floating, finite at real tokens) and their mask;
-        returns ``(x, mask)`` with x in the CRF's dtype, which every engine's Posterior keeps
-        (``graphs.inputs.check_embeddings``)."""
+        """Validate embeddings ``[B, n, D]`` (floating, finite at real tokens once in the CRF's
+        dtype) and their mask; returns ``(x, mask)`` with x in the CRF's dtype, which every
+        engine's Posterior keeps (``graphs.inputs.check_embeddings``)."""
         self._check_reads("embeddings")
-        embeddings, mask = check_embeddings(embeddings, mask, self.embedding_size)
-        return embeddings.to(self.unary.dtype), mask
+        return check_embeddings(embeddings, mask, self.embedding_size, dtype=self.unary.dtype)
 
     def check_inputs(self, tokens, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate a batch; returns ``(tokens [B, n] long, mask [B, n] bool)``

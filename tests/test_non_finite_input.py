@@ -5,6 +5,7 @@ the same mistake in every model, engine and loaded export."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -42,6 +43,42 @@ def test_every_engine_refuses_non_finite_embeddings_naming_them(engine, value, b
     x[row, position, channel] = value
     with pytest.raises(ValueError, match=r"embeddings contains NaN or Inf \(first at index"):
         ENGINES[engine](embeddings_crf())(embeddings=x)
+
+
+CASTS = [(torch.float64, torch.float32), (torch.float32, torch.float16)]  # (embeddings', CRF's dtype)
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES) + ["TemperedSMC"])
+@pytest.mark.parametrize("given,dtype", CASTS)
+@given(overflows=st.booleans(), sign=st.sampled_from([1.0, -1.0]), excess=st.floats(2.0, 1e4), data=st.data())
+@settings(max_examples=8, deadline=None)
+def test_finite_embeddings_that_overflow_the_crfs_dtype_are_refused_naming_the_overflow(
+    engine, given, dtype, overflows, sign, excess, data
+):
+    # a finite value `excess` times the dtype's largest (rounds to inf in it), or that many times
+    # smaller (fits): clear of the rounding boundary, so finfo alone says which
+    largest = torch.finfo(dtype).max
+    value = sign * (largest * excess if overflows else largest / excess)
+    assert math.isfinite(value) and math.isfinite(torch.tensor(value, dtype=given).item())
+    crf = embeddings_crf().to(dtype)
+    x = torch.rand(2, 3, 3, dtype=given)
+    x[data.draw(st.integers(0, 1)), data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))] = value
+    run = (lambda crf: inference.TemperedSMC(crf, num_particles=4, replicates=2)) if engine == "TemperedSMC" else None
+    run = (run or ENGINES[engine])(crf)
+    if overflows:
+        held = re.escape(f"{torch.tensor(value, dtype=given).item():g}")
+        with pytest.raises(ValueError, match=rf"embeddings holds {held} .*overflows {dtype} .*the CRF's dtype"):
+            run(embeddings=x)
+    elif engine in ("Exact", "MeanField"):  # a value that fits: the same posterior as embeddings cast first
+        torch.testing.assert_close(run(embeddings=x).z, run(embeddings=x.to(dtype)).z)
+
+
+def test_pt_layer_refuses_hidden_states_that_overflow_its_dtype_naming_them():
+    layer = PTLayer(4, labels=3, channels=1, rank=2)
+    hidden = torch.randn(2, 3, 4, dtype=torch.float64)
+    hidden[1, 2, 0] = 1e39
+    with pytest.raises(ValueError, match=r"hidden holds 1e\+39 \(first at index \[1, 2, 0\]\), which overflows"):
+        layer(hidden)
 
 
 @given(value=st.sampled_from(BAD), length=st.integers(1, 4))
