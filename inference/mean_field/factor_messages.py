@@ -46,7 +46,8 @@ class FactorTerms:
 
     def _gradient(self, factor, q: torch.Tensor) -> torch.Tensor:
         """d E_q[log phi] / d q by autograd; differentiable (in q and the factor's
-        parameters) when gradients are being recorded."""
+        parameters) when gradients are being recorded. Zero for a factor that does not
+        read the labels (its expectation is a constant the ELBO gains)."""
         outer_grad = torch.is_grad_enabled()
         with torch.enable_grad():
             source = q if q.requires_grad else q.detach().requires_grad_(True)
@@ -56,5 +57,10 @@ class FactorTerms:
                     f"{factor.template}.expected_log_potential must return a tensor of shape [B] = [{q.shape[0]}], "
                     f"got {getattr(value, 'shape', type(value).__name__)}"
                 )
-            (gradient,) = torch.autograd.grad(value.sum(), source, create_graph=outer_grad and q.requires_grad)
-        return gradient
+            if not value.requires_grad:  # a constant in q and in every parameter: no message
+                return torch.zeros_like(q)
+            # allow_unused: a potential that reads no label (w * length) depends on parameters alone
+            (gradient,) = torch.autograd.grad(
+                value.sum(), source, create_graph=outer_grad and q.requires_grad, allow_unused=True
+            )
+        return torch.zeros_like(q) if gradient is None else gradient

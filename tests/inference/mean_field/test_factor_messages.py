@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import graphs
 import inference
 from graphs.factors import Pairwise
+from tests import oracles
 
 
 class SameAsNext(graphs.Factor):
@@ -31,6 +32,21 @@ class SameAsNext(graphs.Factor):
 class NoExpectation(graphs.Factor):
     def log_potential(self, z, tokens, mask):
         return (z[:, 0] == 1).double() * 0.3
+
+
+class LengthBias(graphs.Factor):
+    """log phi = w * (real tokens): reads no label. ``trainable=False``: a plain float w, so
+    the potential needs no gradient at all."""
+
+    def __init__(self, weight, trainable):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(weight, dtype=torch.float64)) if trainable else weight
+
+    def log_potential(self, z, tokens, mask):
+        return self.weight * mask.sum(-1).double()
+
+    def expected_log_potential(self, q, tokens, mask):
+        return self.weight * mask.sum(-1).double()
 
 
 def chain_crf(d=3, weight=0.8, seed=0):
@@ -120,3 +136,38 @@ def test_a_user_factor_without_expectation_is_refused_by_mean_field_and_accepted
     with torch.no_grad():
         assert torch.isfinite(inference.Exact(crf).log_partition(torch.tensor([[1, 2]]))).all()
     inference.Gibbs(crf)  # Gibbs needs log_potential alone
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    weight=st.floats(-3.0, 3.0),
+    trainable=st.booleans(),
+    grad=st.booleans(),
+    topology=st.sampled_from(["chain()", "full", "window(1) | root()"]),
+    lengths=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_a_factor_that_reads_no_label_adds_its_constant_to_the_mean_field_elbo(
+    weight, trainable, grad, topology, lengths, seed
+):
+    torch.manual_seed(seed)
+    plain = graphs.CRF(vocab_size=5, labels=2, channels=1, rank=2, topology=topology).double()
+    bias = LengthBias(weight, trainable)
+    crf = graphs.CRF(vocab_size=5, labels=2, channels=1, rank=2, topology=topology, factors=[bias]).double()
+    crf.load_state_dict(plain.state_dict(), strict=False)
+    tokens = torch.randint(0, 5, (len(lengths), 3))
+    mask = torch.arange(3)[None] < torch.tensor(lengths)[:, None]
+    constant = torch.tensor([weight * length for length in lengths], dtype=torch.float64)
+    log_z = torch.tensor(
+        [oracles.brute_force(plain, t, m)[0] for t, m in zip(tokens.tolist(), mask.tolist())], dtype=torch.float64
+    )
+    engine, reference = (inference.MeanField(c, iterations=4, schedule="sequential") for c in (crf, plain))
+    with torch.set_grad_enabled(grad):
+        post, expected = engine(tokens, mask), reference(tokens, mask)
+    # the message is zero: the same q as without the factor, and the ELBO gains the constant
+    torch.testing.assert_close(post.z, expected.z)
+    torch.testing.assert_close(post.elbo, expected.elbo + constant)
+    assert (post.elbo <= log_z + constant + 1e-9).all()  # below the log Z of brute force
+    if grad and trainable:
+        post.elbo.sum().backward()
+        torch.testing.assert_close(crf.factors[0].weight.grad, torch.tensor(float(sum(lengths)), dtype=torch.float64))
