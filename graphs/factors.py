@@ -78,6 +78,10 @@ class Factor(nn.Module):
             f"{type(self).__name__} has no expected_log_potential(q, tokens, mask): MeanField cannot use it"
         )
 
+    def has_log_potential(self) -> bool:
+        """True when the subclass overrides ``log_potential`` (what Exact and Gibbs score)."""
+        return type(self).log_potential is not Factor.log_potential
+
     def has_expectation(self) -> bool:
         """True when the subclass overrides ``expected_log_potential``."""
         return type(self).expected_log_potential is not Factor.expected_log_potential
@@ -217,6 +221,9 @@ class _BuiltIn:
 
     template = ""
     name = ""
+
+    def has_log_potential(self) -> bool:
+        return True
 
     def has_expectation(self) -> bool:
         return True

@@ -26,8 +26,20 @@ def engines_for(template) -> tuple[str, ...]:
 
     if template.template in BUILT_IN or isinstance(template, Pairwise):
         return ENGINES
-    # a user factor: its log_potential serves Exact and Gibbs; MeanField needs the expectation
-    return ("Exact", "MeanField", "Gibbs") if template.has_expectation() else ("Exact", "Gibbs")
+    # a user factor: Exact and Gibbs score its log_potential, MeanField takes its expectation
+    needs = {
+        "Exact": template.has_log_potential,
+        "MeanField": template.has_expectation,
+        "Gibbs": template.has_log_potential,
+    }
+    return tuple(engine for engine in ENGINES if needs[engine]())
+
+
+_HINTS = {  # what a user factor lacks when an engine cannot compile it
+    "Exact": "implement log_potential(z, tokens, mask) -> [B] for Exact and Gibbs",
+    "Gibbs": "implement log_potential(z, tokens, mask) -> [B] for Exact and Gibbs",
+    "MeanField": "implement expected_log_potential(q, tokens, mask) for MeanField",
+}
 
 
 def compile_templates(crf, engine: str) -> list:
@@ -39,12 +51,9 @@ def compile_templates(crf, engine: str) -> list:
     for template in templates:
         able = engines_for(template)
         if engine not in able:
-            hint = ""
-            if engine == "MeanField" and not template.has_expectation():
-                hint = " (implement expected_log_potential(q, tokens, mask) for MeanField)"
             raise ValueError(
-                f"{engine} cannot compile factor {template.name!r} ({template.template}){hint}; "
-                f"engines that can: {', '.join(able)}"
+                f"{engine} cannot compile factor {template.name!r} ({template.template}) ({_HINTS[engine]}); "
+                f"engines that can: {', '.join(able) or 'none'}"
             )
     if engine != "Exact" and _model_is_overridden(crf):
         owner = type(crf).__name__

@@ -184,8 +184,11 @@ def test_a_factor_without_log_potential_says_what_to_implement():
         pass
 
     crf = graphs.CRF(vocab_size=4, labels=2, factors=[Empty()])
+    with pytest.raises(ValueError, match=r"Exact cannot compile factor 'empty0' \(Empty\) \(implement log_potential"):
+        inference.Exact(crf)
+    z, h = torch.zeros(1, 2, dtype=torch.long), torch.tensor([[[1, 0]]])
     with pytest.raises(NotImplementedError, match=r"Empty must implement log_potential\(z, tokens, mask\)"):
-        inference.Exact(crf).log_partition(torch.tensor([[1, 2]]))
+        crf.log_potential(torch.tensor([[1, 2]]), z, h)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 template, what is not a template is refused, a plain function model gives the same answers,
 and an engine that would ignore a raw factor refuses it."""
 
+import math
+
 import pyro
 import pytest
 import torch
@@ -100,3 +102,64 @@ def test_a_declaration_s_model_as_a_plain_function_gives_the_same_log_z_and_marg
         marginals = as_function.marginals(tokens, mask)
     for i in range(3):
         torch.testing.assert_close(marginals[f"z_{i}"][mask[:, i]], declared.z[:, i][mask[:, i]], atol=1e-10, rtol=0)
+
+
+class Either(graphs.Factor):
+    """Label 1 at the first token scores 0.7, as a labelling and as an expectation."""
+
+    def log_potential(self, z, tokens, mask):
+        return 0.7 * (z[:, 0] == 1).double()
+
+    def expected_log_potential(self, q, tokens, mask):
+        return 0.7 * q[:, 0, 1]
+
+
+def user_factor(scores: bool, expects: bool) -> graphs.Factor:
+    """A user factor that implements log_potential iff ``scores`` and its expectation iff ``expects``."""
+    methods = {"log_potential": Either.log_potential} if scores else {}
+    methods |= {"expected_log_potential": Either.expected_log_potential} if expects else {}
+    return type("Partial", (graphs.Factor,), methods)()
+
+
+# what each engine needs of a user factor, restated from docs/factors.md's table
+NEEDS = {"Exact": "log_potential", "Gibbs": "log_potential", "TemperedSMC": "log_potential"}
+NEEDS["MeanField"] = "expected_log_potential"
+BUILDERS = {
+    "Exact": inference.Exact,
+    "MeanField": inference.MeanField,
+    "Gibbs": lambda crf: inference.Gibbs(crf, num_samples=2, num_warmup=0, num_chains=1),
+    "TemperedSMC": inference.TemperedSMC,
+}
+
+
+@pytest.mark.parametrize("engine", sorted(BUILDERS))
+@pytest.mark.parametrize("scores", [False, True])
+@pytest.mark.parametrize("expects", [False, True])
+def test_every_engine_refuses_when_built_a_user_factor_missing_what_it_needs(engine, scores, expects):
+    crf = graphs.CRF(
+        vocab_size=5, labels=2, channels=1, rank=2, topology="chain()", factors=[user_factor(scores, expects)]
+    )
+    has = {"log_potential": scores, "expected_log_potential": expects}
+    able = [name for name in ("Exact", "MeanField", "Gibbs") if has[NEEDS[name]]]
+    if has[NEEDS[engine]]:
+        BUILDERS[engine](crf)
+        return
+    message = rf"{engine if engine != 'TemperedSMC' else 'Gibbs'} cannot compile factor 'partial0' \(Partial\) "
+    message += rf"\(implement {NEEDS[engine]}\(.*engines that can: {', '.join(able) or 'none'}$"
+    with pytest.raises(ValueError, match=message):
+        BUILDERS[engine](crf)
+
+
+def test_exact_refuses_an_expectation_only_factor_when_built_and_scores_a_log_potential_only_one():
+    """Built, it used to fail only when called (NotImplementedError from log_potential)."""
+    crf = graphs.CRF(vocab_size=5, labels=2, factors=[user_factor(scores=False, expects=True)])
+    with pytest.raises(ValueError, match="Exact cannot compile factor 'partial0'"):
+        inference.Exact(crf)
+    crf = graphs.CRF(vocab_size=5, labels=2, topology="chain()", factors=[user_factor(scores=True, expects=False)])
+    plain = graphs.CRF(vocab_size=5, labels=2, topology="chain()")
+    plain.load_state_dict(crf.state_dict())
+    tokens = torch.tensor([[1, 3]])
+    with torch.no_grad():  # log Z with the factor: each labelling weighted by exp(0.7) when z_0 = 1
+        p_first = inference.Exact(plain)(tokens).z[0, 0, 1].double()
+        expected = inference.Exact(plain).log_partition(tokens) + torch.log1p(p_first * math.expm1(0.7))
+        torch.testing.assert_close(inference.Exact(crf).log_partition(tokens), expected)

@@ -326,8 +326,8 @@ class _Run:
 
 
 def _check_compilable(crf) -> None:
-    """Refuse, by name, a CRF whose factors the sampler cannot score."""
-    from graphs.factors import Factor
+    """Refuse, by name, a CRF whose factors the sampler cannot score (a user factor without
+    log_potential among them: Gibbs refuses it too)."""
     from inference.declaration import compile_templates
 
     try:
@@ -335,12 +335,6 @@ def _check_compilable(crf) -> None:
         compile_templates(crf, "Gibbs")
     except ValueError as error:
         raise ValueError(f"TemperedSMC cannot compile this CRF (it compiles what Gibbs does): {error}") from None
-    for factor in crf.factors:
-        if type(factor).log_potential is Factor.log_potential:
-            raise ValueError(
-                f"TemperedSMC cannot compile factor {factor.name!r} ({factor.template}): it has no "
-                f"log_potential(z, tokens, mask); implement it"
-            )
 
 
 def _head_marginals(target: TemperedTarget, z, weights) -> torch.Tensor:
