@@ -181,10 +181,11 @@ class CRF(nn.Module):
 
     # ---- the structure as data -------------------------------------------------
 
-    def ternary_tensor(self) -> torch.Tensor:
-        """``[K, C, d, d]``: ``T[k, c, a, b]`` for dependent label a and head label b."""
+    def ternary_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[K, C, d, d]``: ``T[k, c, a, b]`` for dependent label a and head label b, summed in
+        ``dtype`` (default the CRF's; a wider one keeps a half-precision CRF's products unrounded)."""
         u, v = self.ternary_factors()
-        return torch.einsum("kcar,kcbr->kcab", u, v)
+        return torch.einsum("kcar,kcbr->kcab", u.to(dtype or u.dtype), v.to(dtype or v.dtype))
 
     def distance_groups(self, n: int, device=None) -> torch.Tensor:
         return distance_groups(n, self.gamma, self.topology.extra_nodes, device, self.distance_cuts)

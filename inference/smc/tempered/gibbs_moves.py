@@ -109,10 +109,12 @@ def _fast_messages(target: TemperedTarget, z, h, g, arc_rows=None) -> torch.Tens
         glob = torch.where(target.per_system(target.mask)[:, None, :, None], target.binary[g], 0.0)
         messages = messages + F.pad(glob, (0, 0, 0, N - n))
     if target.pairwise:
-        one_hot = F.one_hot(z[..., :n], d).to(messages.dtype).reshape(S * P, n, d)
+        one_hot = F.one_hot(z[..., :n], d).reshape(S * P, n, d)
         inputs, mask = target.per_particle(target.inputs, P), target.per_particle(target.mask, P)
         for factor in target.pairwise:  # its closed-form message at a one-hot q is the conditional
-            pair = factor.message(one_hot, inputs, mask).reshape(S, P, n, d)
+            # in the factor's own dtype (a half-precision CRF's target is float32)
+            pair = factor.message(one_hot.to(factor.table.dtype), inputs, mask).to(messages.dtype)
+            pair = pair.reshape(S, P, n, d)
             messages = messages + F.pad(pair, (0, 0, 0, N - n))
     return messages
 

@@ -287,8 +287,8 @@ class TemperedSMC:
         ratios = (replicate_log_z - log_partition).exp()
         standard_error = ratios.std(0) / math.sqrt(R) if R > 1 else torch.full_like(log_partition, math.nan)
 
-        def over_replicates(x):
-            return x.reshape(R, B, *x.shape[1:]).mean(0)
+        def over_replicates(x):  # in the CRF's dtype (the Posterior contract): the target may be wider
+            return x.reshape(R, B, *x.shape[1:]).mean(0).to(self.crf.unary.dtype)
 
         posterior = Posterior(
             z=over_replicates(q_z),

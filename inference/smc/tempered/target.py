@@ -199,7 +199,9 @@ def compile_target(crf, inputs, mask, proposal, epsilon: float, replicates: int)
     with torch.no_grad():
         nodes, arcs = crf.node_mask(mask), crf.arc_mask(mask)
         has_head = arcs.any(-1)
-        dtype = crf.unary.dtype
+        # at least float32: a half-precision table cannot hold FORBIDDEN, and its rounding
+        # would enter every weight
+        dtype = torch.promote_types(crf.unary.dtype, torch.float32)
         log_qz = _log_rows("z", found["z"].to(dtype), nodes[..., None].expand(B, N, d), epsilon)
         log_qh = _log_rows("h", found["h"].to(dtype), arcs[:, None].expand(B, C, N, N), epsilon)
         log_qg = None
@@ -218,10 +220,10 @@ def compile_target(crf, inputs, mask, proposal, epsilon: float, replicates: int)
             nodes=nodes,
             arcs=arcs,
             has_head=has_head,
-            unary=crf.input_table(inputs, mask).detach(),
-            table=crf.ternary_tensor().detach(),
+            unary=crf.input_table(inputs, mask).detach().to(dtype),
+            table=crf.ternary_tensor(dtype).detach(),
             groups=crf.distance_groups(n, mask.device),
-            binary=crf.binary.detach() if G else None,
+            binary=crf.binary.detach().to(dtype) if G else None,
             pairwise=pairwise,
             pairwise_adjacency=adjacency,
             user=[f for f in factors if not isinstance(f, Pairwise)],

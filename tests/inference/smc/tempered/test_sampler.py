@@ -1,6 +1,7 @@
 """TemperedSMC (inference.smc.tempered.sampler) against exact answers: Z-hat unbiased, log Z
 and marginals close to Exact on enumerable CRFs, and refusals by name."""
 
+import copy
 import math
 
 import pytest
@@ -34,6 +35,31 @@ def test_log_z_unbiased_and_marginals_match_exact(kind):
     assert (result.betas.diff(dim=0) >= 0).all()
     assert result.ess.shape == (result.steps, REPLICATES, 2)
     assert torch.allclose(result.log_weights.exp().sum(-1), torch.ones(REPLICATES, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["global", "pairwise", "user", "virtual"])
+def test_a_half_precision_crf_gives_what_a_float32_crf_with_its_parameters_gives(kind, dtype):
+    """The target is compiled in float32 (a half table cannot hold the forbidden arcs' score,
+    and its rounding would enter every weight): the run is the float32 CRF's, from the same
+    proposal and seed, and the Posterior is in the CRF's dtype."""
+    crf, tokens, mask = make_case(kind)
+    half = crf.to(dtype)
+    wide = copy.deepcopy(half).float()  # the same parameters, each exactly representable in both
+    with torch.no_grad():
+        proposal = inference.MeanField(wide, iterations=4)(tokens, mask)
+    runs = [
+        TemperedSMC(c, num_particles=16, replicates=4, seed=0).run(tokens, mask, proposal=proposal)
+        for c in (half, wide)
+    ]
+    found, expected = runs
+    # a Pairwise sums its half-precision table in its own dtype: only its rounding differs
+    tolerance = dict(rtol=1e-3, atol=1e-3) if kind == "pairwise" else dict(rtol=0, atol=0)
+    torch.testing.assert_close(found.log_partition, expected.log_partition, **tolerance)
+    for name in ["z", "h"] + (["g"] if crf.global_labels else []):
+        value = getattr(found.posterior, name)
+        assert value.dtype == dtype, name
+        torch.testing.assert_close(value, getattr(expected.posterior, name).to(dtype), **tolerance)
 
 
 # ---- bad input ------------------------------------------------------------------------------
