@@ -34,6 +34,7 @@ Pyro is imported only when a model is generated; the potentials need torch alone
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -299,6 +300,57 @@ class Ternary(_BuiltIn):
 
 BUILT_IN = ("Unary", "Global", "Ternary")
 
+_INDEX = "(0|[1-9][0-9]*)"  # an index as a site name writes it (no sign, no leading zero)
+_PYRO_NAMES = ("batch", "_INPUT", "_RETURN")  # the plate of CRF.model, and the nodes Pyro's trace adds
+
+
+def _site_shape(name: str, shape: str, channels: int) -> bool:
+    """True when ``name`` is a site of ``shape`` (``<c>``, ``<i>``, ``<j>``: indices) that a model
+    can write: a channel below ``channels``, and an arc's two ends apart (no node heads itself)."""
+    match = re.fullmatch(re.sub("<[a-z]>", _INDEX, shape), name)
+    if match is None:
+        return False
+    index = dict(zip(re.findall("<([a-z])>", shape), map(int, match.groups())))
+    return index.get("c", 0) < channels and ("j" not in index or index["i"] != index["j"])
+
+
+def _generated_site(crf, name: str) -> str | None:
+    """The shape of the site of ``crf.model`` besides the extra factors' (a variable, a
+    built-in factor: ``graphs.crf_model``, ``Unary``, ``Global``, ``Ternary``; or a Pyro name)
+    that ``name`` can be, or None."""
+    if name in _PYRO_NAMES:
+        return name
+    shapes = ["z_<i>", "unary_<i>", "h_<c>_<i>", "head_count_<c>_<i>", "ternary_<c>_<i>_<j>"]
+    shapes += ["g_<i>", "binary_<i>"] if crf.global_labels else []
+    return next((shape for shape in shapes if _site_shape(name, shape, crf.channels)), None)
+
+
+def _refuse_clashing_sites(crf, extra) -> None:
+    """Two sites of one name make Pyro fail when it traces the model: refuse an extra factor
+    whose site (a user factor's ``<name>``, a ``Pairwise``'s ``<name>_<i>_<j>``) can take the
+    name of a generated site or of another factor's. A Pairwise's ``<name>_0_1`` can take a
+    generated name exactly when one of its sites can; two Pairwise factors never share a name
+    (each name ends in its own name and two indices)."""
+    reserved = "z_<i>, unary_<i>, h_<c>_<i>, head_count_<c>_<i>, ternary_<c>_<i>_<j>" + (
+        ", g_<i>, binary_<i>" if crf.global_labels else ""
+    )
+    pairwise = [(k, f) for k, f in enumerate(extra) if isinstance(f, Pairwise)]
+    for k, factor in enumerate(extra):
+        shape = f"{factor.name}_<i>_<j>" if isinstance(factor, Pairwise) else factor.name
+        clash = _generated_site(crf, f"{factor.name}_0_1" if isinstance(factor, Pairwise) else factor.name)
+        if clash is not None:
+            raise ValueError(
+                f"factors[{k}] ({factor.template}) is named {factor.name!r}: its site {shape} would share a name "
+                f"with CRF.model's {clash}; reserved: {reserved}, {', '.join(_PYRO_NAMES)} (c < channels = "
+                f"{crf.channels}, i != j; a Pairwise named P writes P_<i>_<j>); give the factor another name"
+            )
+        for m, other in pairwise:
+            if other is not factor and _site_shape(factor.name, f"{other.name}_<i>_<j>", crf.channels):
+                raise ValueError(
+                    f"factors[{k}] is named {factor.name!r}: its site would share a name with factors[{m}]'s "
+                    f"{other.name}_<i>_<j> (a Pairwise); give one of them another name"
+                )
+
 
 def check_templates(crf, extra) -> list:
     """A CRF's extra templates ``extra``, each a ``graphs.Factor`` that fits ``crf``, with unique site names."""
@@ -320,4 +372,5 @@ def check_templates(crf, extra) -> list:
                 f"factors[{k}] has the name {factor.name!r} of another factor: names must be unique strings"
             )
         names.add(factor.name)
+    _refuse_clashing_sites(crf, extra)
     return list(extra)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pyro import poutine
 
 import graphs
 import inference
@@ -210,3 +211,58 @@ def test_a_pairwise_subclass_that_scores_otherwise_is_refused_by_name(method):
             super().__init__(labels, "window(2)")
 
     graphs.CRF(vocab_size=4, labels=2, factors=[Renamed(2)])
+
+
+class Zero(graphs.Factor):
+    def log_potential(self, z, tokens, mask):
+        return torch.zeros(z.shape[0])
+
+
+# stems of generated site names with their number of indices, and names no site has
+STEMS = {"z": 1, "g": 1, "unary": 1, "binary": 1, "h": 2, "head_count": 2, "ternary": 3, "batch": 0, "a": 2}
+STEMS |= {"_INPUT": 0, "_RETURN": 0, "zz": 1}
+
+
+@st.composite
+def site_names(draw):
+    """A stem and its number of indices (a user factor's whole name), two fewer (a Pairwise
+    adds two), or any number; indices as written (0 to 2) or not (01)."""
+    stem = draw(st.sampled_from(sorted(STEMS)))
+    count = draw(st.sampled_from([STEMS[stem], max(STEMS[stem] - 2, 0), draw(st.integers(0, 3))]))
+    return "_".join([stem, *draw(st.lists(st.sampled_from(["0", "1", "2", "01"]), min_size=count, max_size=count))])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    names=st.lists(site_names(), min_size=1, max_size=2, unique=True),
+    kinds=st.lists(st.sampled_from(["user", "pairwise"]), min_size=2, max_size=2),
+    channels=st.integers(1, 2),
+    global_labels=st.sampled_from([0, 2]),
+)
+def test_a_factor_name_is_refused_exactly_when_pyro_would_meet_two_sites_of_that_name(
+    names, kinds, channels, global_labels
+):
+    """The oracle is Pyro itself: the CRF built without the check, its model traced on a
+    sentence where every index a name can hold (0 to 2) is some site's (full topologies)."""
+
+    def factors():
+        made = [Zero() if kind == "user" else Pairwise(2, "full()") for kind, _ in zip(kinds, names)]
+        for factor, name in zip(made, names):
+            factor.name = name
+        return made
+
+    options = dict(vocab_size=5, labels=2, channels=channels, rank=1, topology="full()", global_labels=global_labels)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graphs.factors, "_refuse_clashing_sites", lambda crf, extra: None, raising=False)
+        unchecked = graphs.CRF(**options, factors=factors())
+    try:
+        poutine.trace(unchecked.model).get_trace(torch.tensor([[1, 2, 3, 4]]))
+        clashes = False
+    except RuntimeError as error:
+        assert "sites named" in str(error) or "already in the trace" in str(error), error
+        clashes = True
+    if clashes:
+        with pytest.raises(ValueError, match=r"factors\[\d\] .*is named '.*': its site .*would share a name with"):
+            graphs.CRF(**options, factors=factors())
+    else:
+        graphs.CRF(**options, factors=factors())
