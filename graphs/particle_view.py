@@ -22,6 +22,8 @@ import pyro.distributions as dist
 import torch
 from torch import nn
 
+from graphs.limits import LIMITS, MAX_EMBEDDING_SIZE, check_size
+
 __all__ = ["ParticleView"]
 
 WEIGHTS = ("mass", "row")
@@ -30,13 +32,17 @@ WEIGHTS = ("mass", "row")
 class ParticleView(nn.Module):
     def __init__(self, width: int, rank: int | None = None, sigma: float = 0.0, weight: str = "mass"):
         super().__init__()
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise ValueError(f"width must be an integer >= 1, got {width!r}")
-        if sigma < 0:
-            raise ValueError(f"sigma must be >= 0, got {sigma!r}")
+        # the sizes as the CRF's (graphs.limits): TypeError for a non-integer, ValueError out of range
+        check_size("width", width, minimum=1, maximum=MAX_EMBEDDING_SIZE)
+        rank = width if rank is None else rank  # only None means "as wide": rank=0 is an error
+        check_size("rank", rank, minimum=1, maximum=max(LIMITS["rank"], width))
+        if isinstance(sigma, bool) or not isinstance(sigma, int | float):
+            raise TypeError(f"sigma must be a finite number >= 0 (0: deterministic moves), got {sigma!r}")
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"sigma must be a finite number >= 0 (0: deterministic moves), got {sigma!r}")
         if weight not in WEIGHTS:
             raise ValueError(f"unknown weight {weight!r}; allowed: {list(WEIGHTS)}")
-        rank = rank or width
+        sigma = float(sigma)
         self.sigma, self.weight, self.num_tokens = sigma, weight, None
         self.query, self.key = nn.Linear(width, rank, bias=False), nn.Linear(width, rank, bias=False)
         self.value = nn.Linear(width, width, bias=False)

@@ -1,6 +1,10 @@
+import math
+
 import pyro
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import graphs
 import inference
@@ -62,3 +66,37 @@ def test_stochastic_view_with_resampling_runs_under_both():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         graphs.ParticleView(**kwargs)
+
+
+numbers = st.one_of(
+    st.integers(-3, 6), st.floats(allow_nan=True, allow_infinity=True), st.none(), st.booleans(), st.just("2")
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(width=numbers, rank=numbers, sigma=numbers)
+def test_sizes_and_sigma_are_accepted_exactly_when_valid_and_named_otherwise(width, rank, sigma):
+    integer = {name: isinstance(v, int) and not isinstance(v, bool) for name, v in dict(width=width, rank=rank).items()}
+    real = isinstance(sigma, int | float) and not isinstance(sigma, bool)
+    wrong_type = [
+        name
+        for name, ok in [("width", integer["width"]), ("rank", rank is None or integer["rank"]), ("sigma", real)]
+        if not ok
+    ]
+    wrong_value = [
+        name
+        for name, ok in [
+            ("width", integer["width"] and width >= 1),
+            ("rank", rank is None or (integer["rank"] and rank >= 1)),
+            ("sigma", real and math.isfinite(sigma) and sigma >= 0),
+        ]
+        if not ok
+    ]
+    if not wrong_value:
+        view = graphs.ParticleView(width, rank=rank, sigma=sigma)
+        assert view.query.out_features == (width if rank is None else rank) and view.sigma == sigma
+        return
+    first = wrong_value[0]  # checked in the order width, rank, sigma
+    error = TypeError if first in wrong_type else ValueError
+    with pytest.raises(error, match=f"^{first} must be "):
+        graphs.ParticleView(width, rank=rank, sigma=sigma)
