@@ -272,19 +272,29 @@ class CRF(nn.Module):
             )
 
     def check_parameters(self) -> None:
-        """Raise if any potential is NaN or infinite (it would poison every engine)."""
+        """Raise if a parameter is NaN or Inf or ternary potentials overflow the CRF's dtype (poison to engines)."""
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
             return
-        named = list(self.named_parameters())
-        if not named:
-            return
+        named = list(self.named_parameters())  # never empty: every CRF has its unary table
+        # a bound, not T itself: T is [K, C, d, d], too large to build at every forward
+        bound, largest = ternary.potential_bound(self), torch.finfo(self.unary.dtype).max
 
         def naming_the_first():
-            name = next(name for name, param in named if not torch.isfinite(param).all())
-            return f"CRF parameter {name!r} contains NaN or Inf; potentials must be finite"
+            name = next((name for name, param in named if not torch.isfinite(param).all()), None)
+            k, c = divmod(int(bound.flatten().argmax()), bound.shape[1])
+            return (
+                f"CRF parameter {name!r} contains NaN or Inf; potentials must be finite"
+                if name is not None
+                else f"the ternary potentials of group {k}, channel {c} reach up to {float(bound[k, c]):g} (sum_r "
+                f"max|u| max|v|), beyond {self.unary.dtype}'s largest {largest:g}: they overflow; scale the "
+                "ternary parameters down (potentials must be finite)"
+            )
 
-        finite = torch.stack([param.isfinite().all() for _, param in named]).all()
-        refuse_unless(finite, "a CRF parameter contains NaN or Inf; potentials must be finite", naming_the_first)
+        own = ternary.PARAMETERS[self.ternary_form]  # NaN or Inf in these makes the bound NaN or Inf
+        finite = [param.isfinite().all() for name, param in named if name not in own]
+        finite = torch.stack([*finite, (bound <= largest).all()]).all()
+        message = "a CRF parameter contains NaN or Inf, or the ternary potentials overflow; potentials must be finite"
+        refuse_unless(finite, message, naming_the_first)
 
     # ---- scoring and the Pyro model ------------------------------------------------
 

@@ -32,7 +32,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["TERNARY_FORMS", "PARAMETERS", "create", "factors", "projection_tables", "parameter_count"]
+__all__ = [
+    "TERNARY_FORMS",
+    "PARAMETERS",
+    "create",
+    "factors",
+    "projection_tables",
+    "potential_bound",
+    "parameter_count",
+]
 
 TERNARY_FORMS = ("low_rank", "cp", "tucker", "shared")
 # each form's own parameters on the CRF
@@ -100,6 +108,19 @@ def projection_tables(crf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | N
         return crf.shared_u[None], crf.shared_v[None], crf.shared_bias
     u, v = factors(crf)
     return u, v, None
+
+
+def potential_bound(crf) -> torch.Tensor:
+    """``[K or 1, C]``: ``sum_r max_a |u[k, c, a, r]| max_b |v[k, c, b, r]| (+ |bias[k, c]|)``
+    of the projection tables, in at least float32. It bounds every ternary potential
+    ``|T[k, c, a, b]|``, every partial sum the products ``u v^T`` build, and every head score
+    ``q U V^T q'`` of label distributions (MeanField's), so where it is finite in the CRF's
+    dtype none of them overflows. O(K C d r): a pass over the tables, no ``[d, d]`` table."""
+    with torch.no_grad():
+        u, v, bias = projection_tables(crf)
+        dtype = torch.promote_types(u.dtype, torch.float32)  # half tables: no overflow of the bound itself
+        bound = (u.abs().amax(-2).to(dtype) * v.abs().amax(-2).to(dtype)).sum(-1)
+        return bound if bias is None else bound + bias.abs().to(dtype)
 
 
 def parameter_count(crf) -> int:

@@ -4,12 +4,13 @@ import math
 import pyro
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyro import poutine
 from pyro.infer import TraceEnum_ELBO, config_enumerate
 
 import graphs
+import inference
 from tests import oracles
 from tests.strategies import tiny_crfs
 
@@ -241,3 +242,62 @@ def test_model_is_device_and_dtype_agnostic_float64():
     trace = poutine.trace(config_enumerate(crf.model)).get_trace(tokens)
     assert trace.nodes["unary_0"]["fn"].log_prob(trace.nodes["unary_0"]["value"]).dtype == torch.float64
     pyro.clear_param_store()
+
+
+SIDES = {  # each form's dependent-side and head-side parameters: scaling both by s scales T by s^2
+    "low_rank": ("ternary_u", "ternary_v"),
+    "cp": ("cp_dependent", "cp_head"),
+    "tucker": ("tucker_dependent", "tucker_head"),
+    "shared": ("shared_u", "shared_v"),
+}
+
+
+def ternary_by_hand(crf, divide: float) -> torch.Tensor:
+    """``T [K, C, d, d]`` in float64 from the raw parameters, the side parameters divided by
+    ``divide`` (so T / divide^2, the bias / divide^2 too), each form's formula restated here."""
+    p = {name: param.detach().double() for name, param in crf.named_parameters()}
+    for name in SIDES[crf.ternary_form]:
+        p[name] = p[name] / divide
+    if crf.ternary_form == "low_rank":
+        return torch.einsum("kcar,kcbr->kcab", p["ternary_u"], p["ternary_v"])
+    if crf.ternary_form == "cp":
+        return torch.einsum("kcp,kap,kbp->kcab", p["cp_channel"], p["cp_dependent"], p["cp_head"])
+    if crf.ternary_form == "tucker":
+        return torch.einsum("mkap,mkcpq,mkbq->kcab", p["tucker_dependent"], p["tucker_core"], p["tucker_head"])
+    bias = p["shared_bias"][:, :, None, None] / divide / divide
+    return torch.einsum("cap,cbp->cab", p["shared_u"], p["shared_v"])[None] + bias
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    form=st.sampled_from(sorted(SIDES)),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    excess=st.floats(-6.0, 3.0),  # log10 of the largest |T| over the dtype's largest finite number
+    kernel=st.sampled_from(["naive", "fused"]),
+    seed=st.integers(0, 2**16),
+)
+def test_ternary_potentials_beyond_the_dtype_are_refused_by_name_and_those_well_within_run(
+    form, dtype, excess, kernel, seed
+):
+    torch.manual_seed(seed)
+    crf = graphs.CRF(vocab_size=5, labels=3, channels=2, rank=2, ternary_form=form, ternary_blocks=2).to(dtype)
+    if form == "shared":
+        with torch.no_grad():
+            crf.shared_bias.normal_()
+    largest = torch.finfo(dtype).max
+    unscaled = math.log10(ternary_by_hand(crf, 1.0).abs().max().item())
+    scale = 10 ** ((excess + math.log10(largest) - unscaled) / 2)
+    with torch.no_grad():
+        for name in SIDES[form]:
+            getattr(crf, name).mul_(scale)
+    # log10 of the largest |T| of the scaled parameters, computed without overflowing float64
+    found = math.log10(ternary_by_hand(crf, scale).abs().max().item()) + 2 * math.log10(scale)
+    run = inference.MeanField(crf, iterations=2, kernel=kernel)
+    tokens = torch.tensor([[1, 3, 2, 4]])
+    if found > math.log10(largest):
+        with pytest.raises(ValueError, match=r"ternary potentials of group \d+, channel \d+ reach .*overflow"):
+            run(tokens)
+    elif found < math.log10(largest) - 3:
+        with torch.no_grad():
+            post = run(tokens)
+        assert torch.isfinite(post.z).all() and torch.isfinite(post.elbo).all()
