@@ -155,12 +155,12 @@ class Trainer:
         ]  # fmt: skip
 
     def _train_fields(self, grad_norm: float, window_tokens: int, window_seconds: float) -> dict:
-        """The fields of a logged training line besides step and loss."""
+        """A logged training line's fields besides step and loss; group rates from the schedule."""
         train = self.config.train
         fields = {
             "tokens": self.tokens_seen,
             "lr": train.lr * self.lr_factor(self.step - 1),  # the schedule's base rate at this step
-            **{f"lr/{group['name']}": group["lr"] for group in self.optimizer.param_groups},
+            **{f"lr/{g['name']}": g["initial_lr"] * self.lr_factor(self.step - 1) for g in self.optimizer.param_groups},
             "grad_norm": grad_norm,
             "tokens_per_second": window_tokens / max(window_seconds, 1e-9),
             "elapsed": self.elapsed,

@@ -83,6 +83,22 @@ def test_a_step_without_a_target_token_trains_nothing(trainer):
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
+def test_each_groups_logged_rate_is_this_steps_even_when_the_step_had_no_target(trainer):
+    """A step without a target returns before it sets the groups' rates, which the log then
+    read: the previous step's rate (or the un-warmed initial one). The rate is the schedule's,
+    by hand: warm-up ramps (s + 1) / W, then decays linearly to 0 at the last step."""
+    train, skipped = trainer.config.train, 0
+    for _ in range(6):
+        trainer.step += 1
+        skipped += trainer.train_step([ONE_TOKEN])[0] is None
+        s, warmup, total = trainer.step - 1, train.warmup_steps, trainer.total_steps
+        factor = (s + 1) / warmup if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
+        fields = trainer._train_fields(math.nan, 1, 1.0)
+        for group in trainer.optimizer.param_groups:
+            assert fields[f"lr/{group['name']}"] == pytest.approx(group["initial_lr"] * factor, rel=1e-12)
+    assert skipped >= 2  # the path in question ran
+
+
 def test_a_log_window_without_a_measured_step_logs_nan_and_a_measured_one_its_mean(tmp_path):
     log = RunLog(tmp_path / "metrics.jsonl", enabled=False)
     assert math.isnan(log.log_train(1)["loss"])
