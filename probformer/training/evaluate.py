@@ -167,7 +167,8 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
         raise ValueError(f"{path} has no vocabulary: cannot encode evaluation text")
     trees, split = read_split(source, split)
     trees = trees[:sentences] if sentences else trees
-    max_length = getattr(model.config, "max_length", None) or 10**9  # the PT has no length limit
+    # the windows the run validated on (its data.max_length), else the model's limit (the PT has none)
+    max_length = _trained_max_length(path) or getattr(model.config, "max_length", None) or 10**9
     if task == "uas":
         fits = [t for t in trees if len(t.words) <= max_length]
         return {**attachment_scores(model, vocabulary, fits), "skipped_too_long": len(trees) - len(fits)}
@@ -188,18 +189,33 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
 
 
 def _trained_mask_rate(path) -> float:
-    """The masking rate the run trained with (its run.json: a run folder, its model folder or
-    one of its checkpoints), else the default's: a perplexity read at another rate is
-    another number. The path is resolved first: a relative ``step-0000004`` read from a
-    run's ``checkpoints/`` has no parents to find the run by."""
+    """The masking rate the run trained with (``_trained_data``), else the default's: a
+    perplexity read at another rate is another number."""
+    return _trained_data(path, "mask_rate", float, DataConfig().mask_rate)
+
+
+def _trained_max_length(path) -> int | None:
+    """The window length the run validated with (its ``data.max_length``: the trainer cuts a
+    longer sentence there), else None: an evaluation cut elsewhere scores other examples."""
+    return _trained_data(path, "max_length", int, None)
+
+
+def _trained_data(path, key: str, kind, default):
+    """``data.<key>`` of the run the model at ``path`` came from (its run.json: a run folder,
+    its model folder or one of its checkpoints), else ``default``. The path is resolved
+    first: a relative ``step-0000004`` read from a run's ``checkpoints/`` has no parents to
+    find the run by."""
     path = Path(path).resolve()
     for record in (folder / "run.json" for folder in (path, path.parent, path.parent.parent)):
         if record.is_file():
             try:
-                return float(json.loads(record.read_text())["data"]["mask_rate"])
+                value = json.loads(record.read_text())["data"][key]
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise TypeError(value)
+                return kind(value)
             except (ValueError, KeyError, TypeError):  # not silently the default: this run said otherwise
-                raise ValueError(f"{record} records no readable data.mask_rate") from None
-    return DataConfig().mask_rate
+                raise ValueError(f"{record} records no readable data.{key}") from None
+    return default
 
 
 def _checkpoint_tags(path, num_classes: int) -> list[str]:

@@ -189,3 +189,24 @@ def test_the_trained_mask_rate_is_found_from_a_relative_path(tmp_path, monkeypat
     (run / "run.json").write_text(json.dumps({"data": {"mask_rate": 0.3}}))
     monkeypatch.chdir(run / cwd)
     assert _trained_mask_rate(relative) == 0.3
+
+
+def test_evaluate_cuts_long_sentences_where_the_run_did_and_gives_its_final_validation(tmp_path):
+    """With data.long_sentences = "windows" the trainer validates on windows of
+    data.max_length; evaluate cut at the model's max_length (none for a PT), so it scored
+    other examples: another loss and token count for the same model and split."""
+    text = tmp_path / "corpus.txt"
+    words = [f"w{i % 23}" for i in range(2000)]
+    lengths = [3 + (k * 7) % 17 for k in range(200)]  # 3 to 19 words: some past max_length = 8
+    lines, start = [], 0
+    for length in lengths:
+        lines.append(" ".join(words[start : start + length]))
+        start = (start + length) % 1500
+    text.write_text("\n".join(lines) + "\n")
+    config = write_config(tmp_path, source=str(text), max_length=8, steps=4)
+    config.write_text(config.read_text().replace("[data]", '[data]\nlong_sentences = "windows"'))
+    summary = train(config, tmp_path / "run", progress=False)
+    found = evaluate(tmp_path / "run" / "model", "mlm", str(text), "valid")
+    assert found["windowed"] > 0
+    assert found["tokens"] == summary["valid"]["tokens"]
+    assert found["loss"] == pytest.approx(summary["valid"]["loss"], rel=1e-9)
