@@ -12,7 +12,8 @@ One layer (every attention and MLP pre-LN):
                   floor(i C / n) (any n, the original SwarmFormer's fixed chunks);
     3. update:    only the ``top_p`` fraction of each row's tokens whose routing is most
                   confident write to the clusters: a cluster is its key plus the mean of
-                  its writers' states;
+                  its writers' states (contiguous: every token, top_p = 1: all are equally
+                  confident);
     4. clusters:  multi-head attention among the clusters with one tied projection for
                   queries, keys and values, then an MLP;
     5. feedback:  each token reads its cluster's state through a residual MLP gate,
@@ -58,7 +59,7 @@ class SwarmConfig(ConfigMixin):
     clusters: int = 16  # C, in the lowest layers
     pyramid: bool = True  # C, C/2, C/4 up the stack
     routing: str = "gumbel"
-    top_p: float = 0.5  # the fraction of tokens that update the clusters
+    top_p: float | None = None  # the fraction of tokens that update the clusters; None: 0.5, contiguous 1
     temperature: float = 1.0  # of the Gumbel-softmax
     max_length: int = 512
     dropout: float = 0.1
@@ -75,8 +76,19 @@ class SwarmConfig(ConfigMixin):
             raise ValueError(f"config key 'width' ({self.width}) must be divisible by 'heads' ({self.heads})")
         if self.routing not in ROUTINGS:
             raise ValueError(f"config key 'routing' must be one of {list(ROUTINGS)}, got {self.routing!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+        if self.top_p is None:
+            self.top_p = 1.0 if self.routing == "contiguous" else 0.5
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             raise ValueError(f"config key 'top_p' must lie in (0, 1], got {self.top_p!r}")
+        if self.routing == "contiguous" and self.top_p < 1:
+            # fixed chunks give every token confidence 1: the writers would be chosen by position,
+            # the first ceil(top_p n) tokens, and the later chunks' clusters would get none
+            raise ValueError(
+                f"config keys 'routing'='contiguous' and 'top_p'={self.top_p!r}: contiguous chunks give every token "
+                "routing confidence 1, so top-p would take the first tokens of each sentence as writers and leave "
+                "the later chunks' clusters without any; use top_p = 1 (every token writes its chunk, the default "
+                "for contiguous routing) or routing = 'gumbel'"
+            )
         if not isinstance(self.temperature, int | float) or self.temperature <= 0:
             raise ValueError(f"config key 'temperature' must be > 0, got {self.temperature!r}")
         self.check_dropout()

@@ -104,6 +104,28 @@ def test_contiguous_routing_splits_any_length_into_near_equal_chunks():
         assert member.tolist() == [i * 4 // length for i in range(length)]
 
 
+@given(lengths=st.lists(st.integers(1, 17), min_size=1, max_size=3), clusters=st.integers(1, 6))
+@settings(max_examples=20, deadline=None)
+def test_contiguous_routing_lets_every_token_write_its_chunks_cluster(lengths, clusters):
+    """Fixed chunks give every token confidence 1: with top_p < 1 the writers were the first
+    tokens of each sentence, and the later chunks' clusters never saw their tokens. Every
+    real token writes (top_p defaults to 1), so every cluster that has members has writers."""
+    model = small(routing="contiguous", clusters=clusters, pyramid=False).eval()
+    assert model.config.top_p == 1.0
+    tokens, mask = padded_batch(lengths)
+    for route in model.diagnostic_trace(tokens, mask)["routing"]:
+        assert torch.equal(route["writers"], mask)
+        members = route["assignment"].sum(1)  # [B, C]
+        written = (route["assignment"] * route["writers"][..., None]).sum(1)
+        assert torch.equal(members > 0, written > 0)
+
+
+def test_contiguous_routing_with_fewer_writers_is_refused_naming_both_keys():
+    with pytest.raises(ValueError, match=r"'routing'='contiguous' and 'top_p'=0.5: .* use top_p = 1"):
+        SwarmConfig(vocab_size=10, routing="contiguous", top_p=0.5)
+    assert SwarmConfig(vocab_size=10).top_p == 0.5  # Gumbel routing keeps its default
+
+
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 1.0])
 def test_the_top_p_most_confident_real_tokens_write_to_the_clusters(top_p):
     model = small(top_p=top_p).eval()
