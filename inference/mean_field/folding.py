@@ -31,12 +31,15 @@ import torch
 __all__ = ["Folded", "FoldState", "segment_stream"]
 
 
-def segment_stream(chunks: Iterable, length: int, state, check_ids) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(tokens, mask)`` per segment of ``length`` tokens from ``chunks`` of any size
-    (``[B, k]`` tensors or ``(tokens, mask)`` pairs); the last, partial segment comes at
-    the end. Fewer than ``length`` tokens wait in ``state.pending_tokens`` /
-    ``state.pending_mask``. ``check_ids(tokens)`` validates the ids of a chunk (padding
-    already set to 0: a row may be all padding in one chunk) and returns them."""
+def segment_stream(chunks: Iterable, length: int, state, check_ids) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``(tokens, mask, yielded)`` per segment of ``length`` tokens from ``chunks`` of any
+    size (``[B, k]`` tensors or ``(tokens, mask)`` pairs); the last, partial segment comes
+    at the end. Fewer than ``length`` tokens wait in ``state.pending_tokens`` /
+    ``state.pending_mask``, and stay there after the partial segment is yielded: the next
+    call with the same state completes that segment and computes it again, whole.
+    ``yielded``: its leading positions an earlier call already yielded (not to yield
+    twice). ``check_ids(tokens)`` validates the ids of a chunk (padding already set to 0: a
+    row may be all padding in one chunk) and returns them."""
     for chunk in chunks:
         tokens, mask = chunk if isinstance(chunk, tuple) else (chunk, None)
         if not isinstance(tokens, torch.Tensor):
@@ -53,13 +56,14 @@ def segment_stream(chunks: Iterable, length: int, state, check_ids) -> Iterator[
             tokens = torch.cat([state.pending_tokens, tokens], 1)
             mask = torch.cat([state.pending_mask, mask], 1)
         while tokens.shape[1] >= length:
-            yield tokens[:, :length], mask[:, :length]
+            yield tokens[:, :length], mask[:, :length], state.pending_yielded
+            state.pending_yielded = 0
             tokens, mask = tokens[:, length:], mask[:, length:]
         state.pending_tokens, state.pending_mask = (tokens, mask) if tokens.shape[1] else (None, None)
-    if state.pending_tokens is not None:
-        tokens, mask = state.pending_tokens, state.pending_mask
-        state.pending_tokens = state.pending_mask = None
-        yield tokens, mask
+    pending = state.pending_tokens
+    if pending is not None and pending.shape[1] > state.pending_yielded:
+        yield pending, state.pending_mask, state.pending_yielded
+        state.pending_yielded = pending.shape[1]
 
 
 @dataclass
@@ -70,6 +74,7 @@ class FoldState:
     memory_mask: torch.Tensor | None = None  # [B, l]
     pending_tokens: torch.Tensor | None = None  # [B, < l] not yet a complete segment
     pending_mask: torch.Tensor | None = None
+    pending_yielded: int = 0  # of the pending tokens, those already yielded (a partial segment)
     position: int = 0  # tokens already yielded
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -126,15 +131,21 @@ class Folded:
 
     def stream(self, chunks: Iterable, state: FoldState | None = None) -> Iterator[torch.Tensor]:
         """Yield ``[B, m, d]`` label logits per segment (m = l, the last may be shorter)
-        for ``chunks``: ``[B, k]`` token tensors or ``(tokens, mask)`` pairs of any k.
-        Pass a ``FoldState`` to inspect (or resume) what the stream keeps."""
+        for ``chunks``: ``[B, k]`` token tensors or ``(tokens, mask)`` pairs of any k; each
+        piece covers positions ``state.position - m`` to ``state.position``. Pass a
+        ``FoldState`` to inspect what the stream keeps, or to resume it: a call that ended
+        on a partial segment keeps it, and the call that completes it yields the whole
+        segment again (a mean-field segment's earlier labels change when later tokens join
+        it: the new piece replaces the provisional one)."""
         state = FoldState() if state is None else state
         check_ids = self.mean_field.crf.check_inputs
-        for tokens, mask in segment_stream(chunks, self.length, state, lambda ids: check_ids(ids)[0]):
-            yield self.push_segment(tokens, mask, state)
+        for tokens, mask, yielded in segment_stream(chunks, self.length, state, lambda ids: check_ids(ids)[0]):
+            yield self.push_segment(tokens, mask, state, yielded)
 
-    def push_segment(self, tokens, mask, state: FoldState) -> torch.Tensor:
-        """One segment (at most l tokens) against the memory in ``state``; updates it."""
+    def push_segment(self, tokens, mask, state: FoldState, yielded: int = 0) -> torch.Tensor:
+        """One segment (at most l tokens) against the memory in ``state``; updates it. Its
+        first ``yielded`` positions, returned before for a partial segment, are returned
+        again but not counted again in ``state.position``."""
         mf = self.mean_field
         B, m = tokens.shape
         if m > self.length:
@@ -156,5 +167,5 @@ class Folded:
         out = out * mask[..., None]
         if m == self.length:
             state.memory_logits, state.memory_mask = out, mask
-        state.position += m
+        state.position += m - yielded
         return out

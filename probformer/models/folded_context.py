@@ -67,6 +67,7 @@ class FoldedStreamState:
     memory_mask: torch.Tensor | None = None  # [B, l]
     pending_tokens: torch.Tensor | None = None  # [B, < l]
     pending_mask: torch.Tensor | None = None
+    pending_yielded: int = 0  # of the pending tokens, those already yielded (a partial segment)
     position: int = 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -167,7 +168,9 @@ class FoldedContext(nn.Module, PretrainedMixin):
     def stream(self, chunks: Iterable, state: FoldedStreamState | None = None) -> Iterator[torch.Tensor]:
         """Yield next-token logits ``[B, m, vocab]`` per segment (m = l; the last may be
         shorter) for ``chunks``: ``[B, k]`` token tensors or ``(tokens, mask)`` pairs of
-        any k. Equal to ``self(all tokens)[0]`` cut into segments."""
+        any k. Equal to ``self(all tokens)[0]`` cut into segments, over calls that share a
+        ``state`` too (a call that ends on a partial segment keeps it pending; the next
+        yields only its new positions)."""
         if not self.config.folded:
             raise ValueError("stream needs the folded model (config key 'folded' = true)")
         state = FoldedStreamState() if state is None else state
@@ -175,11 +178,12 @@ class FoldedContext(nn.Module, PretrainedMixin):
         segments = segment_stream(
             chunks, self.config.segment, state, lambda ids: check_token_inputs(ids, None, vocab_size)[0]
         )
-        for tokens, mask in segments:
-            yield self.push_segment(tokens, mask, state)
+        for tokens, mask, yielded in segments:
+            yield self.push_segment(tokens, mask, state, yielded)
 
-    def push_segment(self, tokens, mask, state: FoldedStreamState) -> torch.Tensor:
-        """One segment (at most l tokens) against the memory in ``state``; updates it."""
+    def push_segment(self, tokens, mask, state: FoldedStreamState, yielded: int = 0) -> torch.Tensor:
+        """One segment (at most l tokens) against the memory in ``state``; updates it. Its
+        first ``yielded`` positions (already returned for a partial segment) are left out."""
         l = self.config.segment
         if tokens.shape[1] > l:
             raise ValueError(f"a segment has at most segment={l} tokens, got {tokens.shape[1]}")
@@ -190,5 +194,5 @@ class FoldedContext(nn.Module, PretrainedMixin):
         out = self._fold(local, mask, memory, memory_mask)
         if tokens.shape[1] == l:
             state.memory, state.memory_mask = out, mask
-        state.position += tokens.shape[1]
-        return self.decoder(self.final_norm(out))
+        state.position += tokens.shape[1] - yielded
+        return self.decoder(self.final_norm(out[:, yielded:]))

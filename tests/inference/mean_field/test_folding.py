@@ -69,6 +69,27 @@ def test_streamed_equals_the_whole_tensor_computation(length, total, causal, sch
     torch.testing.assert_close(torch.cat(pieces, 1), whole, atol=1e-12, rtol=0)
 
 
+@settings(max_examples=20, deadline=None)
+@given(length=st.integers(1, 5), sizes=st.lists(st.integers(1, 7), min_size=1, max_size=6), seed=st.integers(0, 1000))
+def test_calls_that_share_a_state_yield_what_the_whole_computation_gives(length, sizes, seed):
+    """A call per chunk with one FoldState: a partial segment at the end of a call is kept
+    and completed by the next, which yields the whole segment again (later tokens change
+    its earlier labels). Each piece is written where state.position says it ends."""
+    crf = segment_crf(length, seed=seed)
+    folded = inference.Folded(inference.MeanField(crf, iterations=3))
+    total = sum(sizes)
+    tokens = torch.randint(0, 9, (2, total), generator=torch.Generator().manual_seed(seed))
+    state, streamed, start = inference.FoldState(), torch.full((2, total, crf.labels), torch.nan).double(), 0
+    with torch.no_grad():
+        whole = folded(tokens)
+        for size in sizes:
+            for piece in folded.stream([tokens[:, start : start + size]], state):
+                streamed[:, state.position - piece.shape[1] : state.position] = piece
+            start += size
+    assert state.position == total
+    torch.testing.assert_close(streamed, whole, atol=1e-12, rtol=0)
+
+
 def test_one_segment_is_the_plain_mean_field():
     crf = segment_crf(length=8, seed=1)
     mean_field = inference.MeanField(crf, iterations=4)
@@ -127,7 +148,8 @@ def test_the_streaming_state_has_no_length_sized_axis():
             for name, tensor in state.tensors().items():
                 assert max(tensor.shape) <= max(length, 2, crf.labels), (name, tensor.shape)
     assert seen == total and state.position == total
-    assert state.pending_tokens is None
+    # the last, partial segment was yielded and waits for the tokens that complete it
+    assert state.pending_tokens.shape[1] == state.pending_yielded == total % length
 
 
 def test_gradients_flow_through_the_memory():

@@ -44,6 +44,29 @@ def test_streamed_equals_the_whole_computation(segment, total, sizes, pad, seed)
     torch.testing.assert_close(streamed[mask], whole[mask], atol=1e-5, rtol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    segment=st.integers(1, 6),
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    seed=st.integers(0, 100),
+)
+def test_calls_that_share_a_state_yield_what_one_call_yields(segment, sizes, seed):
+    """One call per chunk (as a generator feeds a stream): a call that ended on a partial
+    segment cleared it, so the next call lost those tokens and started its own segment at
+    position 0 against the older memory (wrong logits, no error)."""
+    net = model(segment=segment, seed=seed).double()
+    total = sum(sizes)
+    tokens = torch.randint(0, 20, (2, total), generator=torch.Generator().manual_seed(seed))
+    state, pieces, start = FoldedStreamState(), [], 0
+    with torch.no_grad():
+        whole, _ = net(tokens)
+        for size in sizes:
+            pieces += list(net.stream([tokens[:, start : start + size]], state))
+            start += size
+    assert state.position == total
+    torch.testing.assert_close(torch.cat(pieces, 1), whole, atol=1e-12, rtol=0)
+
+
 def test_the_stream_state_has_no_length_sized_axis():
     net = model(segment=5)
     state = FoldedStreamState()
@@ -54,7 +77,8 @@ def test_the_stream_state_has_no_length_sized_axis():
             seen += piece.shape[1]
             for name, tensor in state.tensors().items():
                 assert max(tensor.shape) <= max(5, 16, 3), (name, tensor.shape)
-    assert seen == 601 and state.position == 601 and state.pending_tokens is None
+    assert seen == 601 and state.position == 601
+    assert state.pending_tokens.shape[1] == state.pending_yielded == 601 % 5  # yielded; waits to be completed
 
 
 @pytest.mark.parametrize("folded", [True, False])
