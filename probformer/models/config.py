@@ -249,8 +249,18 @@ class ConfigMixin(metaclass=_AliasedConstructor):
             raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
         if self.pooling != "mean":
             raise ValueError(f"config key 'pooling' must be 'mean' for a {model}, got {self.pooling!r}")
+        self.check_num_classes()
+
+    def check_num_classes(self) -> None:
+        """``num_classes``: at least 1 for a task with classes; 0 for mlm, whose outputs are
+        the vocabulary (a count given there would be ignored)."""
         if self.task != "mlm" and self.num_classes < 1:
             raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+        if self.task == "mlm" and self.num_classes:
+            raise ValueError(
+                f"config key 'num_classes' ({self.num_classes}) is for the 'tagging' and 'classification' tasks; "
+                "task 'mlm' predicts the vocabulary: leave it 0"
+            )
 
     @classmethod
     def aliases(cls) -> dict[str, str]:

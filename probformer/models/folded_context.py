@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphs.device_checks import refuse_non_finite_parameters
+from graphs.device_checks import refuse_non_finite_parameters, refuse_unless
 from inference.mean_field.folding import segment_stream
 from probformer.models.blocks import Block, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
@@ -129,6 +129,12 @@ class FoldedContext(nn.Module, PretrainedMixin):
         final hidden states ``[B, L, width]``. Padding must come at the end of a row."""
         tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size)
         refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):  # segments count from position 0
+            refuse_unless(
+                ~(mask[:, 1:] & ~mask[:, :-1]).any(),
+                "FoldedContext needs each row's padding at its end (mask: True, then False): a real token after "
+                "padding would sit at another position in its segment and give other logits",
+            )
         if not self.config.folded:
             return self._windowed(tokens, mask)
         B, L = tokens.shape

@@ -133,8 +133,7 @@ class PTConfig(ConfigMixin):
             raise ValueError(f"config key 'task' must be one of {list(TASKS)}, got {self.task!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"config key 'pooling' must be one of {list(POOLINGS)}, got {self.pooling!r}")
-        if self.task != "mlm" and self.num_classes < 1:
-            raise ValueError(f"config key 'num_classes' must be >= 1 for task {self.task!r}")
+        self.check_num_classes()
         if self.pooling == "root" and "root" not in graphs.topology.parse(self.topology).virtual:
             raise ValueError("config key 'pooling'='root' needs a ROOT node: add '| root()' to 'topology'")
 

@@ -267,3 +267,17 @@ def test_every_config_dropout_lies_in_zero_one(kind, value):
 
 def test_every_model_config_has_a_dropout():
     assert set(DROPOUT_KINDS) == set(registry.KINDS)
+
+
+TASK_KINDS = [
+    kind for kind, cls in CONFIGS.items() if {"task", "num_classes"} <= {f.name for f in dataclasses.fields(cls)}
+]
+
+
+@pytest.mark.parametrize("kind", TASK_KINDS)
+@given(classes=st.integers(1, 50))
+def test_a_class_count_with_the_mlm_task_is_refused_not_ignored(kind, classes):
+    """Task mlm predicts the vocabulary: a num_classes given with it built a model with
+    vocab_size outputs and no word said that the count was unused."""
+    refused_fast(lambda: make(CONFIGS[kind], task="mlm", num_classes=classes), "num_classes", "mlm")
+    assert make(CONFIGS[kind], task="tagging", num_classes=classes).num_classes == classes

@@ -139,6 +139,22 @@ def test_refusals():
         list(net.stream([torch.full((1, 3), 99)]))
 
 
+@pytest.mark.parametrize("folded", [True, False])
+@given(mask=st.lists(st.booleans(), min_size=2, max_size=9))
+@settings(max_examples=30, deadline=None)
+def test_padding_before_a_real_token_is_refused_and_padding_at_the_end_runs(folded, mask):
+    """A row whose real tokens are not all first sat at other positions in its segments and
+    gave other logits (by 1.2 and more), silently."""
+    mask = torch.tensor([mask]) | (torch.arange(len(mask)) == 0)  # one real token at least
+    tokens = torch.randint(0, 20, mask.shape)
+    net = model(folded, segment=3)
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        with pytest.raises(ValueError, match="padding at its end"):
+            net(tokens, mask)
+    else:
+        net(tokens, mask)
+
+
 @pytest.mark.parametrize("distance", [1, 5, 40])
 def test_recall_batches_put_the_key_at_the_query(distance):
     task = RecallTask(keys=5, fillers=7, offset=3)
