@@ -250,9 +250,11 @@ class Progress:
 def start_messages(trainer) -> list[str]:
     """What a run prints as it starts: its size, and what it cut or will not reach."""
     corpus, total = trainer.corpus, trainer.total_steps
+    # a sentence cut into windows is several examples, and train.eval_sentences counts them
+    counted = "examples (a cut sentence counts each window)" if any(corpus.windowed.values()) else "sentences"
     lines = [
         f"{trainer.config.kind}: {trainer.parameters / 1e6:.2f}M parameters; {len(corpus.train)} training / "
-        f"{len(corpus.valid)} validation sentences; vocabulary {len(corpus.vocabulary)}; {total} steps; "
+        f"{len(corpus.valid)} validation {counted}; vocabulary {len(corpus.vocabulary)}; {total} steps; "
         f"{trainer.world} process(es){'; freed memory held' if trainer.holds_freed_memory else ''} -> {trainer.out}"
     ]
     if any(corpus.windowed.values()):

@@ -294,3 +294,20 @@ def test_a_warm_up_longer_than_the_run_is_said_as_the_run_starts(tmp_path, steps
         assert notes == []
     else:
         assert len(notes) == 1 and note in notes[0]
+
+
+@pytest.mark.parametrize("max_length, counted", [(90, "sentences"), (6, "examples")])
+def test_the_start_line_counts_windows_as_examples_when_sentences_are_cut(tmp_path, max_length, counted):
+    """With long sentences cut into windows the counts are of windows: the line said
+    "sentences" for them (272 "sentences" where the text had 190)."""
+    from probformer.training.run_log import start_messages
+    from probformer.training.trainer import Trainer
+    from tests.builders import write_tiny_run_config
+
+    path = write_tiny_run_config(tmp_path, max_length=max_length)
+    path.write_text(path.read_text().replace("[data]", '[data]\nlong_sentences = "windows"'))
+    trainer = Trainer(run_config.load(path), tmp_path / "run", progress=False)
+    first = start_messages(trainer)[0]
+    expected = f"{len(trainer.corpus.train)} training / {len(trainer.corpus.valid)} validation {counted}"
+    assert expected in first
+    assert (len(trainer.corpus.valid) > 24) == (counted == "examples")  # 24 PTB sentences: windows only when cut
