@@ -84,6 +84,8 @@ class MeanFieldOptions:
         if schedule == "macaron" and not crf.global_labels:
             raise ValueError("schedule 'macaron' alternates global and head updates: the CRF needs global_labels > 0")
         _check_span_memory_initial(span, span_max, span_ramp, memory_topk, initial_head_logits)
+        if schedule == "sequential":
+            _check_sequential(crf, damping, step_size, initial_head_logits)
         options = cls(
             iterations=iterations,
             schedule=schedule,
@@ -163,6 +165,24 @@ def _check_span_memory_initial(span, span_max, span_ramp, memory_topk, initial_h
         raise ValueError(f"memory_topk must be an integer >= 1, got {memory_topk!r}")
     if initial_head_logits not in INITIAL_HEAD_LOGITS:
         raise ValueError(f"initial_head_logits must be one of {list(INITIAL_HEAD_LOGITS)}, got {initial_head_logits!r}")
+
+
+def _check_sequential(crf, damping, step_size, initial_head_logits) -> None:
+    """Coordinate ascent takes each update's optimum whole: a damping or step size would be
+    ignored by it, and damping against the initial cache of ones would damp every head update
+    (another fixed point, a falling ELBO). Its ELBO after every step needs CRF factors."""
+    if damping != (0.0, 0.0) or step_size != (1.0, 1.0) or initial_head_logits != "none":
+        raise ValueError(
+            f"schedule 'sequential' is coordinate ascent (each update takes its optimum whole): it cannot apply "
+            f"damping={damping}, step_size={step_size}, initial_head_logits={initial_head_logits!r}; use "
+            "damping=0, step_size=1, initial_head_logits='none', or an unrolled schedule ('async', 'parallel', "
+            "'macaron')"
+        )
+    if getattr(crf, "global_memory", "dense") == "product_key":
+        raise ValueError(
+            "schedule 'sequential' tracks the ELBO after every step, and a product-key memory is not a CRF "
+            "factor (it has no ELBO); use an unrolled schedule ('async', 'parallel', 'macaron')"
+        )
 
 
 class OptionView:

@@ -111,3 +111,32 @@ def test_a_weight_that_is_not_a_finite_real_number_is_refused_naming_it(key, val
 def test_a_finite_real_weight_is_kept_as_a_float(key, value):
     weights = MessageWeights.parse({key: value}, labels=4)
     assert getattr(weights, key) == float(value) and type(getattr(weights, key)) is float
+
+
+@given(
+    damping=st.sampled_from([0.0, 0.5, (0.0, 0.5), (0.3, 0.0)]),
+    step_size=st.sampled_from([1.0, 0.5, (1.0, 0.3)]),
+    initial=st.sampled_from(["none", "ones"]),
+)
+def test_the_sequential_schedule_refuses_what_coordinate_ascent_cannot_apply(damping, step_size, initial):
+    """It ignored a damping or step size (the same answer as without), and with head damping
+    and the cache of ones it damped every head update against ones: another fixed point, and
+    an ELBO that fell. Refused unless all three are the plain setting."""
+    crf = graphs.CRF(vocab_size=5, labels=2, channels=1, rank=2)
+    build = lambda: inference.MeanField(  # noqa: E731
+        crf, schedule="sequential", damping=damping, step_size=step_size, initial_head_logits=initial
+    )
+    plain = damping == 0.0 and step_size == 1.0 and initial == "none"
+    if plain:
+        build()
+    else:
+        with pytest.raises(ValueError, match="schedule 'sequential' is coordinate ascent"):
+            build()
+        inference.MeanField(crf, schedule="async", damping=damping, step_size=step_size, initial_head_logits=initial)
+
+
+def test_the_sequential_schedule_refuses_a_product_key_memory_by_name():
+    """Its ELBO after every step met the memory's (probs, index) pair: a bare TypeError."""
+    crf = graphs.CRF(vocab_size=5, labels=2, global_labels=4, global_memory="product_key")
+    with pytest.raises(ValueError, match="product-key memory is not a CRF factor"):
+        inference.MeanField(crf, schedule="sequential")
