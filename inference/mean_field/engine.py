@@ -161,11 +161,11 @@ class MeanField(nn.Module):
             initial_head_logits=initial_head_logits,
         )
         self.crf = crf
+        own = {"dtype": crf.unary.dtype, "device": crf.unary.device}  # its own parameters: the CRF's dtype
         if halting == "act":  # p_t = sigmoid(w . features + b)
-            self.halting_unit = nn.Linear(crf.labels if halting_source == "posterior" else 1, 1)
-        # the span as a fraction of span_max (an optimiser step moves it by ~lr of the range,
-        # as in Sukhbaatar et al.); spans start at the maximum, the span penalty shrinks them
-        self.span = nn.Parameter(torch.ones(crf.channels)) if span else None
+            self.halting_unit = nn.Linear(crf.labels if halting_source == "posterior" else 1, 1, **own)
+        # the span as a fraction of span_max (Sukhbaatar et al.): it starts at 1, the span penalty shrinks it
+        self.span = nn.Parameter(torch.ones(crf.channels, **own)) if span else None
         self._score_bound = kernel_choice.ScoreBound()  # the fused kernel's precision reads it
         self.fused_compute_dtype(1.0)  # the score bound, read once now: a compiled graph uses it
 

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import graphs
 import inference
 from tests.builders import engine_options_batch as batch
 from tests.builders import engine_options_crf as crf
@@ -110,3 +111,19 @@ def test_exit_at_inference_without_a_confidence_is_refused_and_false_runs_every_
     assert torch.equal(exiting(tokens, mask, confidence=False).logits, plain(tokens, mask).logits)
     exiting.train()  # training runs every iteration: nothing to refuse
     assert torch.equal(exiting(tokens, mask).logits, plain.train()(tokens, mask).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_engines_own_parameters_follow_the_crfs_dtype(dtype):
+    """ACT's halting unit and the span were float32 on a float64 CRF: ACT failed with a dtype
+    mismatch and the span prior was computed from a float32 span."""
+    field = graphs.CRF(vocab_size=5, labels=3, channels=2, rank=2).to(dtype)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    act = inference.MeanField(field, iterations=3, halting="act")
+    span = inference.MeanField(field, iterations=3, span=True, span_max=4, span_ramp=2)
+    assert {p.dtype for p in [*act.parameters(), *span.parameters()]} == {dtype}
+    assert act(tokens).logits.dtype == dtype
+    prior = span.span_prior(4, 4)  # every span at its maximum 4: m(x) = clamp((2 + 4 - x) / 2, 0, 1)
+    distance = (torch.arange(4)[None, :] - torch.arange(4)[:, None]).abs().to(dtype)
+    expected = ((2 + 4 - distance) / 2).clamp(1e-6, 1).log()
+    assert prior.dtype == dtype and torch.equal(prior[0], expected)
