@@ -338,7 +338,8 @@ def run_diagnose(args) -> int:
     if vocabulary is None:
         raise ValueError(f"{args.model} has no vocabulary.json: cannot turn --data text into token ids")
     sentences, split = evaluation.read_split(source, split)
-    limit = getattr(model.config, "max_length", None) or 10**9  # the PT has no length limit
+    # the run's windows (its data.max_length), as evaluate cuts, else the model's (the PT has none)
+    limit = evaluation.trained_max_length(args.model) or getattr(model.config, "max_length", None) or 10**9
     examples, windowed = evaluation.encode_windows(sentences[: args.sentences], vocabulary, limit)
     if not examples:
         raise ValueError(f"--data {source} --split {split} holds no sentences")

@@ -32,7 +32,16 @@ from probformer.training.corpus import windows
 from probformer.training.run_config import DataConfig
 from probformer.training.validation import evaluate_model
 
-__all__ = ["load_any", "evaluate", "attachment_scores", "read_split", "encode_windows", "TASKS", "SPLITS"]
+__all__ = [
+    "load_any",
+    "evaluate",
+    "attachment_scores",
+    "read_split",
+    "encode_windows",
+    "trained_max_length",
+    "TASKS",
+    "SPLITS",
+]
 
 TASKS = ("mlm", "lm", "pos", "uas")
 SPLITS = ("train", "valid", "test", "all")
@@ -168,7 +177,7 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
     trees, split = read_split(source, split)
     trees = trees[:sentences] if sentences else trees
     # the windows the run validated on (its data.max_length), else the model's limit (the PT has none)
-    max_length = _trained_max_length(path) or getattr(model.config, "max_length", None) or 10**9
+    max_length = trained_max_length(path) or getattr(model.config, "max_length", None) or 10**9
     if task == "uas":
         fits = [t for t in trees if len(t.words) <= max_length]
         return {**attachment_scores(model, vocabulary, fits), "skipped_too_long": len(trees) - len(fits)}
@@ -194,7 +203,7 @@ def _trained_mask_rate(path) -> float:
     return _trained_data(path, "mask_rate", float, DataConfig().mask_rate)
 
 
-def _trained_max_length(path) -> int | None:
+def trained_max_length(path) -> int | None:
     """The window length the run validated with (its ``data.max_length``: the trainer cuts a
     longer sentence there), else None: an evaluation cut elsewhere scores other examples."""
     return _trained_data(path, "max_length", int, None)

@@ -289,6 +289,33 @@ def test_diagnose_cli_writes_the_report(tmp_path, capsys):
     assert "probformer diagnose: error: " in capsys.readouterr().err  # one line, no traceback
 
 
+def test_diagnose_cuts_long_sentences_where_the_run_did(tmp_path, capsys):
+    """The run's data.max_length (its run.json) is the window, as for evaluate: diagnose read
+    only the model's max_length, which a PT has not, and ran whole sentences."""
+    import json
+
+    import probformer as pf
+    from probformer import cli
+    from probformer.training import checkpoint, data
+
+    sentences = [[f"w{(i + k) % 9}" for i in range(10 + k)] for k in range(4)]  # 10 to 13 words
+    vocab = data.Vocabulary.build(sentences)
+    torch.manual_seed(0)
+    model = pf.ProbabilisticTransformer(pf.PTConfig(vocab_size=len(vocab), labels=4, channels=1, rank=2, iterations=1))
+    checkpoint.save(model, tmp_path / "run" / "model", vocab)
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"data": {"max_length": 5, "mask_rate": 0.15}}))
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(" ".join(s) for s in sentences) + "\n")
+    assert (
+        cli.main(["diagnose", str(tmp_path / "run" / "model"), "--data", str(text), "--out", str(tmp_path / "o")]) == 0
+    )
+    assert "4 longer than" in capsys.readouterr().out
+    import arviz as az
+
+    report = az.from_netcdf(tmp_path / "o" / "report.nc")
+    assert report["sample_stats"].sizes["draw"] == sum(-(-len(s) // 5) for s in sentences)  # windows of 5
+
+
 def test_a_particle_transformers_smc_ess_is_the_ess_that_decided_its_resampling():
     """The report read the log-weights after resampling had reset them to 0: every layer that
     resampled (the most degenerate) showed ESS/n = 1. Here each layer resamples, and the
