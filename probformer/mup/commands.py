@@ -28,9 +28,9 @@ def _widths(text: str) -> list[int]:
         widths = [int(w) for w in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers such as 64,128,256, got {text!r}") from None
-    if len(widths) < 2 or min(widths) < 4:
-        raise argparse.ArgumentTypeError(f"expected at least two widths, each >= 4, got {text!r}")
-    return widths
+    if len(set(widths)) < 2 or min(widths) < 4:
+        raise argparse.ArgumentTypeError(f"expected at least two different widths, each >= 4, got {text!r}")
+    return sorted(set(widths))  # ascending: "the two widest" are the last two
 
 
 def add_commands(commands, **parser_options) -> None:

@@ -138,7 +138,7 @@ def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, b
             if progress is not None:
                 progress.update(work(width, min(widths)))
         sizes[width] = per_step
-    return {"widths": list(widths), "steps": steps, "seeds": seeds, "sizes": sizes}
+    return {"widths": sorted(widths), "steps": steps, "seeds": seeds, "sizes": sizes}
 
 
 def width_ratios(result: dict, widths=None) -> dict[str, float]:

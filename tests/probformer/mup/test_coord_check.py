@@ -31,3 +31,15 @@ def test_coordinate_check(coordinate_batches, paradigm, shape):
     assert max(widest_mup.values()) < 1.25, widest_mup
     _, sweep_standard = ratios[False]
     assert max(sweep_standard.values()) > 2, sweep_standard
+
+
+def test_widths_are_read_in_ascending_order_so_the_two_widest_are_the_last_two():
+    """--widths 256,64,128 compared 64 with 128 as "the two widest" (by position)."""
+    import argparse
+
+    from probformer.mup.commands import _widths
+
+    assert _widths("256,64,128") == [64, 128, 256]
+    assert _widths("64,64,32") == [32, 64]
+    with pytest.raises(argparse.ArgumentTypeError, match="two different widths"):
+        _widths("64,64")
