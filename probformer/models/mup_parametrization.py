@@ -193,8 +193,9 @@ def initialise(model) -> None:
 
 def param_groups(model, lr: float, weight_decay: float = 0.0) -> list[dict]:
     """AdamW parameter groups: one per (μP group, decayed or not). Every parameter is in
-    exactly one group; each group carries ``name`` and ``lr_multiplier``. Biases and
-    norms (vectors) get no weight decay. Works through DDP/FSDP/compile wrappers."""
+    exactly one group; each group carries ``name`` and ``lr_multiplier``. Biases (every
+    parameter named ``*bias``, vectors or not) and norms get no weight decay. Works through
+    DDP/FSDP/compile wrappers."""
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if not weight_decay >= 0:
@@ -206,7 +207,8 @@ def param_groups(model, lr: float, weight_decay: float = 0.0) -> list[dict]:
     for name, parameter in inner.named_parameters():
         if not parameter.requires_grad:
             continue
-        group, decayed = role_of[name], parameter.ndim >= 2
+        # a bias is never decayed: the vectors, and the shared form's [K, C] head bias
+        group, decayed = role_of[name], parameter.ndim >= 2 and not name.endswith("bias")
         key = (group, decayed)
         if key not in groups:
             groups[key] = {

@@ -139,3 +139,19 @@ def test_information_weights_from_a_dict():
     config = _config(weights={"attention": 3.0, "unary": 0.5})
     model = pf.ProbabilisticTransformer(config)
     assert model.mean_field.weights == inference.MessageWeights(attention=3.0, unary=0.5)
+
+
+@pytest.mark.parametrize("form", ["low_rank", "shared"])
+@pytest.mark.parametrize("mup", [False, True])
+def test_no_bias_is_decayed_and_every_other_matrix_is(form, mup):
+    """The shared form's head bias is [K, C]: it went to the decayed weights, by its shape."""
+    from probformer.models.mup_parametrization import param_groups
+
+    model = pf.ProbabilisticTransformer(
+        pf.PTConfig(vocab_size=20, labels=8, channels=2, rank=4, ternary_form=form, mup=mup)
+    )
+    decay = {n: g["weight_decay"] for g in param_groups(model, lr=1e-3, weight_decay=0.1) for n in g["param_names"]}
+    for name, parameter in model.named_parameters():
+        bias_or_vector = name.endswith("bias") or parameter.ndim < 2
+        assert decay[name] == (0.0 if bias_or_vector else 0.1), name
+    assert form != "shared" or decay["crf.shared_bias"] == 0.0
