@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 import re
 
 __all__ = ["check_program", "read_json"]
@@ -94,7 +95,7 @@ def _check_spec(text, where) -> None:
         if not isinstance(node, dict) or not isinstance(node.get("children_spec", []), list):
             yield "malformed"
             return
-        yield node.get("type")
+        yield node.get("type") if _plain_context(node.get("context")) else "a context that is not names"
         for child in node.get("children_spec", []):
             yield from types(child)
 
@@ -104,8 +105,25 @@ def _check_spec(text, where) -> None:
         accepted = False
     if not accepted:
         raise ValueError(
-            f"{where}: the program's input/output spec names types other than {sorted(_SPEC_TYPES, key=str)}"
+            f"{where}: the program's input/output spec names types other than {sorted(_SPEC_TYPES, key=str)}, "
+            "or dict keys that are not names"
         )
+
+
+def _plain_context(context) -> bool:
+    """A spec node's context: none, or (a dict's) keys that are identifiers. torch writes the
+    keys into the generated ``forward`` as text: a quote in one would be code."""
+    if context is None:
+        return True
+    try:
+        value = json.loads(context) if isinstance(context, str) else None
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return value is None or (isinstance(value, list) and all(_is_name(key) for key in value))
+
+
+def _is_name(value) -> bool:
+    return isinstance(value, str) and bool(_IDENTIFIER.match(value)) and not keyword.iskeyword(value)
 
 
 def _walk(node, where, depth: int = 0):
@@ -134,6 +152,9 @@ def _walk(node, where, depth: int = 0):
             raise ValueError(f"{where}: the program has a module path {str(value)[:40]!r} that is not dotted names")
         elif key in ("in_spec", "out_spec"):
             _check_spec(value, where)
+        elif key == "forward_arg_names" and not (isinstance(value, list) and all(_is_name(v) for v in value)):
+            # torch writes them into the ``def forward(...)`` line it generates and runs
+            raise ValueError(f"{where}: the program's forward arguments {str(value)[:80]!r} are not all names")
         checked[key] = _walk(value, where, depth + 1)
     return checked
 

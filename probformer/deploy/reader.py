@@ -142,17 +142,20 @@ class CheckedOnnx(CheckedProgram):
         return torch.from_numpy(logits).to(tokens.device)
 
 
-def _onnx_tensors(graph):
-    """Every tensor held in a graph: initialisers, attribute tensors, subgraphs."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    for node in graph.node:
-        for attribute in node.attribute:
-            yield from ([attribute.t] if attribute.HasField("t") else []) + list(attribute.tensors)
-            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                yield from _onnx_tensors(subgraph)
+def _onnx_tensors(message, depth: int = 0):
+    """Every TensorProto anywhere in an ONNX protobuf message: each set field is walked, so
+    none is missed (initialisers, sparse tensors' values and indices, node attributes,
+    subgraphs, functions' nodes)."""
+    if depth > 64:
+        raise ValueError("the ONNX model nests deeper than 64 levels")
+    if message.DESCRIPTOR.full_name == "onnx.TensorProto":
+        yield message
+        return
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue  # a number, a string, bytes: no tensor inside
+        for item in [value] if hasattr(value, "DESCRIPTOR") else value:  # one message, or a repeated field
+            yield from _onnx_tensors(item, depth + 1)
 
 
 def _load_onnx(path: Path) -> CheckedOnnx:
@@ -163,11 +166,11 @@ def _load_onnx(path: Path) -> CheckedOnnx:
     data = _read_bytes(path, "onnx")
     try:
         proto = onnx.load_model_from_string(data)  # from bytes: external data is never opened
-        tensors = list(_onnx_tensors(proto.graph))
-        for function in proto.functions:
-            for node in function.node:
-                tensors += [a.t for a in node.attribute if a.HasField("t")]
     except Exception as error:  # protobuf's DecodeError
+        raise ValueError(f"{path} is not a valid ONNX model: {error}") from None
+    try:
+        tensors = list(_onnx_tensors(proto))
+    except (ValueError, RecursionError) as error:
         raise ValueError(f"{path} is not a valid ONNX model: {error}") from None
     for tensor in tensors:  # before the checker, which would look for those files on disk
         if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.external_data):

@@ -357,7 +357,34 @@ def foreign_target(tmp_path, valid, marker) -> Path:
     return write_torch_archive(tmp_path / "target.pt2", entries)
 
 
+def forward_argument_names(tmp_path, valid, marker) -> Path:
+    """Argument names: torch writes them into the ``def forward(...)`` it generates and runs,
+    so a default value there ran while the model loaded."""
+    entries = entries_of(valid)
+    name = key(entries, "models/model.json")
+    program = json.loads(entries[name])
+    signature = program["graph_module"]["module_call_graph"][0]["signature"]
+    signature["forward_arg_names"] = [*signature["forward_arg_names"], f"_x=open({str(marker)!r}, 'w')"]
+    entries[name] = json.dumps(program).encode()
+    return write_torch_archive(tmp_path / "arguments.pt2", entries)
+
+
+def spec_dict_key(tmp_path, valid, marker) -> Path:
+    """A dict key of the input spec: torch writes it into the generated forward as text."""
+    entries = entries_of(valid)
+    name = key(entries, "models/model.json")
+    program = json.loads(entries[name])
+    signature = program["graph_module"]["module_call_graph"][0]["signature"]
+    spec = json.loads(signature["in_spec"])
+    spec[1]["children_spec"][1]["context"] = json.dumps([f"k'+str(open({str(marker)!r}, 'w'))+'"])
+    signature["in_spec"] = json.dumps(spec)
+    entries[name] = json.dumps(program).encode()
+    return write_torch_archive(tmp_path / "spec.pt2", entries)
+
+
 ATTACKS = {
+    "forward_argument_names": (forward_argument_names, "forward arguments"),
+    "spec_dict_key": (spec_dict_key, "dict keys that are not names"),
     "duplicate_name": (duplicate_config, "duplicate archive entry"),
     "opaque_object": (opaque_constant, "unexpected archive entry"),
     "pickled_weight": (pickled_weight, "asks for unpickling"),
@@ -641,6 +668,23 @@ def test_onnx_external_data_is_refused(tmp_path, artefacts):
     proto = onnx.load(str(artefacts["onnx"]))
     onnx.save_model(proto, str(inside / "model.onnx"), save_as_external_data=True, size_threshold=0, location="w.bin")
     assert_refused(inside / "model.onnx", "external data")  # inside the folder: refused too
+
+
+def test_onnx_external_data_anywhere_in_the_model_is_refused(tmp_path, artefacts):
+    """A Constant holding a sparse tensor whose values live in a file beside the process: the
+    walk skipped sparse attributes, and onnxruntime read that file (from its current folder)."""
+    import onnx
+    from onnx import helper
+
+    proto = onnx.load(str(artefacts["onnx"]))
+    values = helper.make_tensor("sv", onnx.TensorProto.FLOAT, [1], b"\0\0\0\0", raw=True)
+    onnx.external_data_helper.set_external_data(values, location="secret.bin", offset=0, length=4)
+    values.ClearField("raw_data")
+    values.data_location = onnx.TensorProto.EXTERNAL
+    sparse = helper.make_sparse_tensor(values, helper.make_tensor("si", onnx.TensorProto.INT64, [1], [0]), [4])
+    proto.graph.node.append(helper.make_node("Constant", [], ["leak"], sparse_value=sparse))
+    onnx.save(proto, str(tmp_path / "sparse.onnx"))
+    assert_refused(tmp_path / "sparse.onnx", "tensor 'sv' refers to external data")
 
 
 def test_onnx_needs_the_probformer_record_and_signature(tmp_path, artefacts):
