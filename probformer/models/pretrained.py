@@ -42,7 +42,7 @@ from probformer.models.declared import check_declared, undeclared_factors
 from probformer.models.folder_data import LIMITS, check_vocabulary, read_bytes, read_json
 
 __all__ = ["PretrainedMixin", "save_pretrained", "from_pretrained", "load_files", "folder_files", "model_folder"]
-__all__ += ["write_folder", "TORCH_FORMAT", "FOLDER_FORMATS"]
+__all__ += ["write_folder", "TORCH_FORMAT", "FOLDER_FORMATS", "latest_checkpoint_folder"]
 __all__ += ["read_bytes", "read_json", "LIMITS"]  # folder_data's, shared with probformer.load
 
 TORCH_FORMAT = "probformer-torch/2"
@@ -214,17 +214,42 @@ def model_folder(path) -> Path:
     path = Path(path)
     if not path.is_dir() or (path / CONFIG_NAME).exists():
         return path
+    if (path / "model").is_symlink():  # a run folder's model is its own: a link would read elsewhere
+        raise ValueError(f"{path / 'model'} is a symlink; a run folder's model/ must be a folder in it")
     if (path / "model" / CONFIG_NAME).is_file():
         return path / "model"
-    pointer = path / "checkpoints" / "latest"
-    if pointer.is_file():
-        checkpoint = pointer.parent / pointer.read_text().strip()
-        if not checkpoint.is_dir():
-            raise FileNotFoundError(f"{pointer} names {checkpoint.name}, which does not exist")
+    checkpoint = latest_checkpoint_folder(path)
+    if checkpoint is not None:
         return checkpoint
     if (path / "run.json").is_file():
         raise FileNotFoundError(f"{path} is a training-run folder with no model yet (no model/, no checkpoint)")
     return path  # read as a model folder: its own errors name what is missing
+
+
+def latest_checkpoint_folder(run: Path) -> Path | None:
+    """The checkpoint that ``run/checkpoints/latest`` names, or None without that pointer.
+    It must be one name ``step-N`` of a folder in the run's own ``checkpoints/``, with no
+    symlink on the way: a crafted pointer (an absolute path, ``../..``) or link would make
+    every reader load, and a resumed run prune, files outside the run."""
+    folder = Path(run) / "checkpoints"
+    pointer = folder / "latest"
+    if not (pointer.is_file() or pointer.is_symlink()):
+        return None
+    for link in (folder, pointer):
+        if link.is_symlink():
+            raise ValueError(f"{link} is a symlink; a run folder's checkpoints must be its own files")
+    name = pointer.read_text().strip()
+    if not _CHECKPOINT_NAME.match(name):
+        raise ValueError(f"{pointer} must name a checkpoint folder step-N beside it, got {name[:40]!r}")
+    checkpoint = folder / name
+    if checkpoint.is_symlink():
+        raise ValueError(f"{checkpoint} is a symlink; a run folder's checkpoints must be its own files")
+    if not checkpoint.is_dir():
+        raise FileNotFoundError(f"{pointer} names {name}, which does not exist")
+    return checkpoint
+
+
+_CHECKPOINT_NAME = re.compile(r"^step-[0-9]+$")
 
 
 def folder_files(folder: Path) -> dict[str, Path]:

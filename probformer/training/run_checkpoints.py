@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from probformer.models import registry
 from probformer.models.folder_data import read_json
-from probformer.models.pretrained import check_finite
+from probformer.models.pretrained import check_finite, latest_checkpoint_folder
 from probformer.training import checkpoint, crash_points
 from probformer.training.checkpoint import WriteError, write_failure
 
@@ -60,13 +60,11 @@ TYPE_NAMES |= {(list, type(None)): "a JSON list or null"}
 
 
 def latest_checkpoint(run_dir) -> Path:
-    """The newest complete checkpoint of a run folder (via ``checkpoints/latest``)."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        raise FileNotFoundError(f"{run_dir} has no checkpoint ({pointer} is missing)")
-    path = pointer.parent / pointer.read_text().strip()
-    if not path.is_dir():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which does not exist")
+    """The newest complete checkpoint of a run folder (via ``checkpoints/latest``, checked:
+    ``pretrained.latest_checkpoint_folder``)."""
+    path = latest_checkpoint_folder(Path(run_dir))
+    if path is None:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint ({Path(run_dir) / 'checkpoints' / 'latest'} is missing)")
     return path
 
 
@@ -119,7 +117,7 @@ def remove_stale_temporaries(run_dir) -> None:
     """Remove what a killed process left half-written: ``.NAME.tmp-PID`` files and
     folders and ``.model.old-PID`` in the run folder and its ``checkpoints``."""
     for folder in (Path(run_dir), Path(run_dir) / "checkpoints"):
-        if folder.is_dir():
+        if folder.is_dir() and not folder.is_symlink():
             for stale in [*folder.glob(".*.tmp-*"), *folder.glob(".*.old-*")]:
                 _remove(stale)
 
@@ -151,6 +149,8 @@ def save_training_checkpoint(run_dir, step: int, model, optimizer, vocabulary, c
     ``latest`` to it and prune the older ones. Refuses (``FloatingPointError``, nothing
     written) a model with non-finite parameters, so ``latest`` always names good weights."""
     folder = Path(run_dir) / "checkpoints"
+    if folder.is_symlink():  # its old checkpoints are pruned below: never in another folder
+        raise ValueError(f"{folder} is a symlink; a run folder's checkpoints must be its own files")
     name = f"step-{step:07d}"
     final = folder / name
     if _pointed_name(folder) == name:

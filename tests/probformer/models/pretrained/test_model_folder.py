@@ -338,3 +338,47 @@ def test_an_import_failure_while_reading_a_pt2_names_the_module(tmp_path, monkey
     with pytest.raises(ImportError, match="needs the module 'networkx'") as error:
         pf.load(path)
     assert error.value.name == "networkx"
+
+
+@pytest.mark.parametrize("pointer", ["/abs/elsewhere", "../../elsewhere", "step-1/../../elsewhere", "model", "link"])
+def test_a_run_folder_never_leads_a_reader_out_of_itself(tmp_path, pointer):
+    """checkpoints/latest was joined to its folder unchecked, and model/ could be a symlink:
+    every reader (load, from_pretrained, evaluate's loader) read a model from anywhere."""
+    elsewhere = tmp_path / "elsewhere"
+    pf.Transformer(pf.TransformerConfig(vocab_size=10, width=8, heads=2, layers=1, ffn_width=16)).save_pretrained(
+        elsewhere
+    )
+    run = tmp_path / "run" / "a"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    if pointer == "model":
+        (run / "model").symlink_to(elsewhere, target_is_directory=True)
+        expected = "model is a symlink"
+    elif pointer == "link":
+        (run / "checkpoints" / "step-1").symlink_to(elsewhere, target_is_directory=True)
+        (run / "checkpoints" / "latest").write_text("step-1")
+        expected = "step-1 is a symlink"
+    else:
+        (run / "checkpoints" / "latest").write_text(pointer.replace("/abs", str(tmp_path)))
+        expected = "must name a checkpoint folder step-N"
+    for read in (pf.load, pf.from_pretrained, pretrained.model_folder):
+        with pytest.raises(ValueError, match=expected):
+            read(run)
+
+
+def test_a_run_whose_checkpoints_folder_is_a_link_is_never_pruned(tmp_path):
+    """Saving prunes every other entry of checkpoints/: through a link it would delete files
+    elsewhere."""
+    from probformer.training.run_checkpoints import save_training_checkpoint
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    model = pf.Transformer(pf.TransformerConfig(vocab_size=10, width=8, heads=2, layers=1, ffn_width=16))
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="checkpoints is a symlink"):
+        save_training_checkpoint(run, 1, model, optimizer, None, {})
+    assert (elsewhere / "keep.txt").read_text() == "mine"
