@@ -176,10 +176,9 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
         raise ValueError(f"{path} has no vocabulary: cannot encode evaluation text")
     trees, split = read_split(source, split)
     trees = trees[:sentences] if sentences else trees
-    # the windows the run validated on (its data.max_length), else the model's limit (the PT has none)
-    max_length = trained_max_length(path) or getattr(model.config, "max_length", None) or 10**9
-    if task == "uas":
-        fits = [t for t in trees if len(t.words) <= max_length]
+    model_limit = getattr(model.config, "max_length", None) or 10**9  # the PT has no length limit
+    if task == "uas":  # whole trees, which windows would cut: only what the model cannot read is left out
+        fits = [t for t in trees if len(t.words) <= model_limit]
         return {**attachment_scores(model, vocabulary, fits), "skipped_too_long": len(trees) - len(fits)}
     learned = getattr(model.config, "task", "lm")  # the causal models have no task key: they learn "lm"
     needed = {"pos": "tagging", "mlm": "mlm", "lm": "lm"}[task]
@@ -188,6 +187,7 @@ def evaluate(path, task: str, source: str | None = None, split: str | None = Non
             f"--task {task} needs a model trained for {needed!r}, got {type(model).__name__} ({learned!r})"
         )
     tags = _checkpoint_tags(path, model.config.num_classes) if task == "pos" else None
+    max_length = trained_max_length(path) or model_limit  # the windows the run validated on
     examples, windowed = encode_windows(trees, vocabulary, max_length, tags, task)
     if not examples:
         raise ValueError(f"--data {source} --split {split} holds no sentences to evaluate")
