@@ -52,7 +52,9 @@ def from_callable(build: Callable) -> Topology:
         tables = {}
         for row, length in enumerate(mask.sum(1).tolist()):
             if length:
-                table = tables[length] = tables.get(length, arcs(length).to(mask.device))
+                if length not in tables:  # the function once per length, not once per row
+                    tables[length] = arcs(length).to(mask.device)
+                table = tables[length]
                 real = mask[row].nonzero().flatten()
                 rows[row, real[:, None], real[None, :]] = table
         return rows

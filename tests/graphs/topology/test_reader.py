@@ -165,3 +165,16 @@ def test_two_arc_sets_have_one_name_only_when_they_are_the_same_arcs(first, seco
     assert (names[0] == names[1]) == same
     colliding = [mask_of({(0, 3), (1, 0)}, 4), mask_of({(0, 1), (1, 2)}, 4)]
     assert topology.parse(colliding[0]).name != topology.parse(colliding[1]).name
+
+
+def test_a_function_topology_is_called_once_per_length_in_a_padded_batch():
+    """The per-length cache evaluated its default on every row: the function ran once a row."""
+    calls = []
+
+    def chain(n):
+        calls.append(n)
+        return torch.ones(n, n, dtype=torch.bool).tril(-1)
+
+    mask = torch.tensor([[True] * 3 + [False]] * 5 + [[True] * 4])
+    topology.from_callable(chain).arcs(mask)
+    assert sorted(calls) == [3, 4]
