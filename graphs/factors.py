@@ -307,7 +307,8 @@ _PYRO_NAMES = ("batch", "_INPUT", "_RETURN")  # the plate of CRF.model, and the 
 def _site_shape(name: str, shape: str, channels: int) -> bool:
     """True when ``name`` is a site of ``shape`` (``<c>``, ``<i>``, ``<j>``: indices) that a model
     can write: a channel below ``channels``, and an arc's two ends apart (no node heads itself)."""
-    match = re.fullmatch(re.sub("<[a-z]>", _INDEX, shape), name)
+    parts = re.split("(<[a-z]>)", shape)  # a factor's own name is literal text, never a pattern
+    match = re.fullmatch("".join(_INDEX if re.fullmatch("<[a-z]>", p) else re.escape(p) for p in parts), name)
     if match is None:
         return False
     index = dict(zip(re.findall("<([a-z])>", shape), map(int, match.groups())))

@@ -266,3 +266,14 @@ def test_a_factor_name_is_refused_exactly_when_pyro_would_meet_two_sites_of_that
             graphs.CRF(**options, factors=factors())
     else:
         graphs.CRF(**options, factors=factors())
+
+
+def test_a_factor_name_with_pattern_characters_is_read_as_text():
+    """Names were put into a regular expression: 'p(x' raised a bare re.error and 'p.q' took
+    'pxq_0_1' for one of its sites."""
+    odd = Pairwise(2)
+    odd.name = "p(x"
+    graphs.CRF(vocab_size=4, labels=2, factors=[odd])
+    dotted, user = Pairwise(2), FirstLastAgree()
+    dotted.name, user.name = "p.q", "pxq_0_1"
+    graphs.CRF(vocab_size=4, labels=2, factors=[dotted, user])
