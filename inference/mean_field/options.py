@@ -171,6 +171,8 @@ def _check_sequential(crf, damping, step_size, initial_head_logits) -> None:
     """Coordinate ascent takes each update's optimum whole: a damping or step size would be
     ignored by it, and damping against the initial cache of ones would damp every head update
     (another fixed point, a falling ELBO). Its ELBO after every step needs CRF factors."""
+    damping = labels_and_heads("damping", damping, 0.0, 0.999999)  # a number or a pair, as written
+    step_size = labels_and_heads("step_size", step_size, 0.0, 1.0, low_open=True)
     if damping != (0.0, 0.0) or step_size != (1.0, 1.0) or initial_head_logits != "none":
         raise ValueError(
             f"schedule 'sequential' is coordinate ascent (each update takes its optimum whole): it cannot apply "
@@ -196,4 +198,7 @@ class OptionView:
         return self if engine is None else getattr(engine.options, self.name)
 
     def __set__(self, engine, value):
-        engine.options = replace(engine.options, **{self.name: value})
+        options = replace(engine.options, **{self.name: value})
+        if options.schedule == "sequential":  # a write must not reach what parse refuses
+            _check_sequential(engine.crf, options.damping, options.step_size, options.initial_head_logits)
+        engine.options = options

@@ -140,3 +140,16 @@ def test_the_sequential_schedule_refuses_a_product_key_memory_by_name():
     crf = graphs.CRF(vocab_size=5, labels=2, global_labels=4, global_memory="product_key")
     with pytest.raises(ValueError, match="product-key memory is not a CRF factor"):
         inference.MeanField(crf, schedule="sequential")
+
+
+def test_a_written_setting_cannot_reach_what_the_sequential_schedule_refuses():
+    """OptionView wrote the options without the constructor's checks."""
+    crf = graphs.CRF(vocab_size=5, labels=2, channels=1, rank=2)
+    damped = inference.MeanField(crf, damping=0.5)
+    with pytest.raises(ValueError, match="schedule 'sequential' is coordinate ascent"):
+        damped.schedule = "sequential"
+    assert damped.schedule == "async"
+    sequential = inference.MeanField(crf, schedule="sequential")
+    with pytest.raises(ValueError, match="schedule 'sequential' is coordinate ascent"):
+        sequential.damping = 0.5
+    sequential.damping = 0.0  # the plain setting, as a number: kept
