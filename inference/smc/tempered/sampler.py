@@ -201,8 +201,13 @@ class TemperedSMC:
                     f"the default proposal, MeanField, cannot compile this CRF ({error}): pass proposal= "
                     f"(an engine, or a Posterior to run())"
                 ) from None
+        # a MeanField with confidence exit: its q at every iteration (no confidence to exit on)
+        options = {"confidence": False} if getattr(engine, "halting", None) == "exit" else {}
         with torch.no_grad():
-            posterior = engine(tokens, mask) if embeddings is None else engine(mask=mask, embeddings=embeddings)
+            if embeddings is None:
+                posterior = engine(tokens, mask, **options)
+            else:
+                posterior = engine(mask=mask, embeddings=embeddings, **options)
         if not isinstance(posterior, Posterior):
             raise TypeError(f"the proposal engine must return an inference.Posterior, got {type(posterior).__name__}")
         return posterior

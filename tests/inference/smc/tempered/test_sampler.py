@@ -142,3 +142,15 @@ def test_a_user_factor_without_expectation_needs_an_explicit_proposal():
     result = TemperedSMC(crf, num_particles=64, replicates=16, seed=0).run(tokens, proposal=uniform)
     error = (result.log_partition - inference.Exact(crf).log_partition(tokens)).abs()
     assert (error < 4 * result.standard_error).all() and (result.standard_error < 0.05).all()
+
+
+def test_a_mean_field_proposal_with_confidence_exit_runs_every_iteration():
+    """Its call without a confidence is refused at inference (no token could exit), and the
+    sampler gave the caller no way to pass one: the proposal is its q after every iteration."""
+    torch.manual_seed(0)
+    crf = graphs.CRF(vocab_size=6, labels=2, channels=1, rank=2).double()
+    tokens = torch.tensor([[1, 2, 3]])
+    exiting = inference.MeanField(crf, iterations=3, halting="exit").eval()
+    plain = inference.MeanField(crf, iterations=3).eval()
+    runs = [TemperedSMC(crf, num_particles=8, replicates=2, proposal=p, seed=0).run(tokens) for p in (exiting, plain)]
+    assert torch.equal(runs[0].log_partition, runs[1].log_partition)
