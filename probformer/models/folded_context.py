@@ -195,6 +195,13 @@ class FoldedContext(nn.Module, PretrainedMixin):
             raise ValueError(f"a segment has at most segment={l} tokens, got {tokens.shape[1]}")
         if state.memory is not None and tokens.shape[0] != state.memory.shape[0]:
             raise ValueError(f"every chunk needs batch size {state.memory.shape[0]}, got {tokens.shape[0]}")
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):  # as forward: padding last
+            before = mask.new_ones(mask.shape[0], 1) if state.memory_mask is None else state.memory_mask[:, -1:]
+            joined = torch.cat([before, mask], 1)
+            refuse_unless(
+                ~(joined[:, 1:] & ~joined[:, :-1]).any(),
+                "FoldedContext needs each row's padding at its end, across the chunks of a stream too",
+            )
         local = self._local(self._embed(tokens), mask)
         memory, memory_mask = self._empty_memory(local) if state.memory is None else (state.memory, state.memory_mask)
         out = self._fold(local, mask, memory, memory_mask)

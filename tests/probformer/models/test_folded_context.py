@@ -172,3 +172,17 @@ def test_recall_batches_put_the_key_at_the_query(distance):
         task.batch(2, 0)
     with pytest.raises(ValueError, match="keys"):
         RecallTask(keys=0)
+
+
+def test_a_stream_with_a_real_token_after_padding_is_refused():
+    """forward refused it; a stream (within a chunk, or a row padded in one segment and real in
+    the next) computed other logits silently."""
+    net = model(segment=2)
+    tokens = torch.randint(0, 20, (1, 4))
+    inside = torch.tensor([[True, False, True, True]])
+    with pytest.raises(ValueError, match="padding at its end, across the chunks"):
+        list(net.stream([(tokens, inside)]))
+    across = FoldedStreamState()
+    list(net.stream([(tokens[:, :2], torch.tensor([[True, False]]))], across))
+    with pytest.raises(ValueError, match="padding at its end, across the chunks"):
+        list(net.stream([(tokens[:, 2:], torch.tensor([[True, True]]))], across))
