@@ -15,7 +15,7 @@ exported model builds its engine without it).
 
 from __future__ import annotations
 
-__all__ = ["ENGINES", "engines_for", "compile_templates"]
+__all__ = ["ENGINES", "engines_for", "compile_templates", "model_is_overridden"]
 
 ENGINES = ("Exact", "MeanField", "Gibbs")
 
@@ -55,7 +55,7 @@ def compile_templates(crf, engine: str) -> list:
                 f"{engine} cannot compile factor {template.name!r} ({template.template}) ({_HINTS[engine]}); "
                 f"engines that can: {', '.join(able) or 'none'}"
             )
-    if engine != "Exact" and _model_is_overridden(crf):
+    if engine != "Exact" and model_is_overridden(crf):
         owner = type(crf).__name__
         raise ValueError(
             f"{engine} cannot compile {owner}.model: it overrides CRF.model, and {engine} reads the CRF's "
@@ -66,7 +66,7 @@ def compile_templates(crf, engine: str) -> list:
     return templates
 
 
-def _model_is_overridden(crf) -> bool:
+def model_is_overridden(crf) -> bool:
     from graphs.crf import CRF
 
     return type(crf).model is not CRF.model

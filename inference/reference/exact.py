@@ -72,9 +72,10 @@ class Exact:
             raise ValueError(f"max_configurations must be >= 1 (an integer), got {max_configurations!r}")
         self.max_configurations = max_configurations
         if is_declaration(model):
-            from inference.declaration import compile_templates
+            from inference.declaration import compile_templates, model_is_overridden
 
-            compile_templates(model, "Exact")  # a factor Exact cannot score is refused now, not at call time
+            if not model_is_overridden(model):  # an overridden model is summed as it is written
+                compile_templates(model, "Exact")  # a factor Exact cannot score is refused now, not at call time
             self.crf, self.function = model, None
         elif callable(model) and not isinstance(model, nn.Module):
             self.crf, self.function = None, model
