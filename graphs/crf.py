@@ -285,9 +285,9 @@ class CRF(nn.Module):
             return (
                 f"CRF parameter {name!r} contains NaN or Inf; potentials must be finite"
                 if name is not None
-                else f"the ternary potentials of group {k}, channel {c} reach up to {float(bound[k, c]):g} (sum_r "
-                f"max|u| max|v|), beyond {self.unary.dtype}'s largest {largest:g}: they overflow; scale the "
-                "ternary parameters down (potentials must be finite)"
+                else f"the ternary potentials of group {k}, channel {c} may reach {float(bound[k, c]):g} (sum_r "
+                f"max|u| max|v|, a bound), beyond {self.unary.dtype}'s largest {largest:g}: they may overflow; "
+                "scale the ternary parameters down (potentials must be finite)"
             )
 
         own = ternary.PARAMETERS[self.ternary_form]  # NaN or Inf in these makes the bound NaN or Inf

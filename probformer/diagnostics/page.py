@@ -29,7 +29,7 @@ READING = {
         "above the dashed red line (min(1 - 1/log10 n, 0.7), ArviZ's sample-size-aware "
         "threshold) a handful of tokens dominate and importance-weighted averages over them "
         "are unreliable. k-hat needs at least 21 real tokens: shorter sentences give NaN and "
-        "are left out of the mean; a sentence where a few tokens hold all the weight gives +inf "
+        "are left out of the mean; a sentence where a few tokens hold most of the weight gives +inf "
         "(degenerate) and counts, so a mean of +inf is off the top of the plot.",
     ),
     "diversity": (

@@ -195,7 +195,7 @@ def _masked_mean(values: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.T
 
 def _tailless_as_nan(values: np.ndarray) -> np.ndarray:
     """k-hat of equal weights is -inf (no tail): stored as NaN, like every k with nothing to
-    fit; +inf (a few draws hold all the mass) is kept: the worst collapse is never left out."""
+    fit; +inf (a few draws hold most of the mass) is kept: the worst collapse is never left out."""
     return np.where(np.isneginf(values), np.nan, values)
 
 

@@ -87,7 +87,8 @@ class SwarmConfig(ConfigMixin):
                 f"config keys 'routing'='contiguous' and 'top_p'={self.top_p!r}: contiguous chunks give every token "
                 "routing confidence 1, so top-p would take the first tokens of each sentence as writers and leave "
                 "the later chunks' clusters without any; use top_p = 1 (every token writes its chunk, the default "
-                "for contiguous routing) or routing = 'gumbel'"
+                "for contiguous routing) or routing = 'gumbel'. A model saved with it learned with those writers: "
+                "retrain it (top_p = 1 in its config.json runs it with every token writing)"
             )
         if not isinstance(self.temperature, int | float) or self.temperature <= 0:
             raise ValueError(f"config key 'temperature' must be > 0, got {self.temperature!r}")

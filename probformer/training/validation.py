@@ -36,7 +36,8 @@ def refuse_validations_without_targets(corpus, config) -> None:
     for limit in sorted({0} | ({train.eval_sentences} if train.eval_every else set())):
         examples = corpus.valid[:limit] if limit else corpus.valid
         batches = _batches(examples, data.task, len(corpus.vocabulary), data.mask_rate, EVAL_BATCH)
-        if not any((targets != IGNORE).any() for _, _, targets in batches):  # no sentence scores none either
+        # an empty validation set scores no token either: refused like one without a masked position
+        if not any((targets != IGNORE).any() for _, _, targets in batches):
             raise ValueError(_no_target_message(len(examples), data.task))
 
 
