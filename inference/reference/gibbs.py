@@ -122,9 +122,14 @@ class Gibbs:
         B, n = mask.shape
         N, d, C, G = crf.topology.num_nodes(n), crf.labels, crf.channels, crf.global_labels
         self._check_draw_size(B * (N * d + C * N * N + n * G))
-        collapsed = _CollapsedCRF.of(crf, tokens, mask)
-        z_draws, key_block = self._label_draws(collapsed)
-        draws, values = _block_draws(collapsed, z_draws, key_block, crf.node_mask(mask).numpy())
+        import jax
+
+        # float64 in JAX: without it every table becomes float32, and DiscreteGibbs's conditionals,
+        # differences of the batch's summed potential, lost their precision at large potentials
+        with jax.enable_x64(True):
+            collapsed = _CollapsedCRF.of(crf, tokens, mask)
+            z_draws, key_block = self._label_draws(collapsed)
+            draws, values = _block_draws(collapsed, z_draws, key_block, crf.node_mask(mask).numpy())
         means, errors, sizes, rhat = _summaries(values, float(self.num_chains * self.num_samples))
         dims = {"z": ["sentence", "node"], "h": ["sentence", "channel", "node"], "g": ["sentence", "token"]}
         inference_data = arviz_interop.from_arrays({"posterior": draws}, dims=dims)
