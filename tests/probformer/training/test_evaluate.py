@@ -43,6 +43,15 @@ def test_pos_tagging_and_attachment_scores(tmp_path, tiny_ewt):
     # the neighbour baselines are exact on this data: 'dogs'/'cats' head right, 'loudly' left
     assert uas["right_neighbour_baseline"] == pytest.approx(2 / 5)
     assert uas["left_neighbour_baseline"] == pytest.approx(1 / 5)
+    # whole trees are never cut: a run window below their length leaves none out of uas (the PT
+    # reads any length), where the window had left out every 3-word tree
+    import json
+
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    record["data"]["max_length"] = 2
+    (tmp_path / "run" / "run.json").write_text(json.dumps(record))
+    again = evaluate(tmp_path / "run", "uas", "ewt")
+    assert again["words"] == 5 * 20 and again["skipped_too_long"] == 0
 
 
 def test_pos_reads_the_tags_of_every_folder_a_tagger_is_stored_in(tmp_path, tiny_ewt):
