@@ -109,6 +109,8 @@ def inference_gap(
     ratios = result.initial_log_ratio.permute(1, 0, 2).reshape(mask.shape[0], -1)  # [B, R * P] draws from q
     psis = pareto_k(ratios)
     k = np.asarray(psis.k, dtype=float)
+    # q a point mass: its draws, all one labelling, show nothing of p's tails: no verdict
+    k = np.where(result.one_labelling.cpu().numpy(), np.nan, k)
     log_z = result.log_partition.double().cpu().numpy()
     elbo = elbo.cpu().numpy()
     return InferenceGap(

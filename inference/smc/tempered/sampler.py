@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,8 @@ class TemperedSMCResult:
     initial_log_ratio: ``[R, B, P]`` log gamma/q of the initial draws from q: the one-shot
         importance weights p/q (up to Z), e.g. for PSIS.
     steps: T.
+    one_labelling: ``[B]`` bool, every draw from q was one labelling (q a point mass): nothing
+        was weighed, the estimate is that labelling's, and its standard error is NaN (unknown).
     """
 
     posterior: Posterior
@@ -73,6 +76,7 @@ class TemperedSMCResult:
     log_weights: torch.Tensor
     initial_log_ratio: torch.Tensor
     steps: int
+    one_labelling: torch.Tensor
 
 
 def _integer(name: str, value, low: int, high: int) -> int:
@@ -219,6 +223,7 @@ class TemperedSMC:
         Each step: the next beta, reweigh, resample, move (``inference.smc.tempered.tempering``)."""
         adaptive = schedule is None
         systems, initial_log_ratio = Systems.start(target, self.num_particles, generator, adaptive)
+        one_labelling = (systems.z == systems.z[:, :1]).flatten(1).all(1)  # [S]: q drew one labelling only
         betas, esses = [systems.beta], []
         steps = self.max_steps if adaptive else schedule.shape[0]
         step = 0
@@ -236,7 +241,8 @@ class TemperedSMC:
         if not torch.isfinite(systems.log_z).all() or not torch.isfinite(systems.log_w).all():
             raise ValueError("non-finite importance weights during tempering: the potentials or the proposal overflow")
         stacked = torch.stack(betas), torch.stack(esses)
-        return _Run(systems.z, systems.h, systems.g, systems.log_z, systems.log_w, initial_log_ratio, *stacked, step)
+        run = (systems.z, systems.h, systems.g, systems.log_z, systems.log_w, initial_log_ratio, *stacked, step)
+        return _Run(*run, one_labelling)
 
     def _next_beta(self, systems: Systems, schedule: torch.Tensor | None, step: int, steps: int) -> torch.Tensor:
         """``[S]``: the schedule's beta after ``step``, or (adaptive) the current beta plus the
@@ -291,6 +297,17 @@ class TemperedSMC:
         log_partition = replicate_log_z.logsumexp(0) - math.log(R)
         ratios = (replicate_log_z - log_partition).exp()
         standard_error = ratios.std(0) / math.sqrt(R) if R > 1 else torch.full_like(log_partition, math.nan)
+        # q a point mass: every replicate weighed the same labelling, so the replicates agree
+        # whatever mass of p lies elsewhere; a standard error of 0 would claim an exact answer
+        one_labelling = run.one_labelling.reshape(R, B).all(0)
+        standard_error = torch.where(one_labelling, math.nan, standard_error)
+        if bool(one_labelling.any()):
+            warnings.warn(
+                f"TemperedSMC: every draw from the proposal was one labelling in sentence(s) "
+                f"{one_labelling.nonzero().flatten().tolist()}: their log Z is that labelling's (p's mass "
+                "elsewhere is unseen) and their standard error is NaN; use a broader proposal",
+                stacklevel=3,
+            )
 
         def over_replicates(x):  # in the CRF's dtype (the Posterior contract): the target may be wider
             return x.reshape(R, B, *x.shape[1:]).mean(0).to(self.crf.unary.dtype)
@@ -312,6 +329,7 @@ class TemperedSMC:
             log_weights=run.log_w.reshape(R, B, P),
             initial_log_ratio=run.initial_log_ratio.reshape(R, B, P),
             steps=run.steps,
+            one_labelling=one_labelling,
         )
 
 
@@ -328,6 +346,7 @@ class _Run:
     betas: torch.Tensor  # [T + 1, S]
     ess: torch.Tensor  # [T, S]
     steps: int
+    one_labelling: torch.Tensor  # [S]
 
 
 def _check_compilable(crf) -> None:

@@ -154,3 +154,20 @@ def test_a_mean_field_proposal_with_confidence_exit_runs_every_iteration():
     plain = inference.MeanField(crf, iterations=3).eval()
     runs = [TemperedSMC(crf, num_particles=8, replicates=2, proposal=p, seed=0).run(tokens) for p in (exiting, plain)]
     assert torch.equal(runs[0].log_partition, runs[1].log_partition)
+
+
+def test_a_proposal_that_draws_one_labelling_reports_no_standard_error():
+    """A mean field collapsed on a labelling p barely holds: every draw was that labelling,
+    tempering jumped from 0 to 1, log Z came out 59 nats below Exact's with a standard error
+    of 0. The error is NaN now, with a warning naming the sentence."""
+    torch.manual_seed(3)
+    crf = graphs.CRF(vocab_size=6, labels=2, channels=1, rank=2, topology="full", gamma=1)
+    with torch.no_grad():
+        for p in crf.parameters():
+            p.mul_(8.0)
+    tokens = torch.tensor([[1, 2, 3, 5]])
+    with pytest.warns(UserWarning, match=r"one labelling in sentence\(s\) \[0\]"):
+        result = TemperedSMC(crf, num_particles=64, replicates=4, seed=0).run(tokens)
+    exact = inference.Exact(crf).log_partition(tokens)
+    assert result.one_labelling.tolist() == [True] and math.isnan(result.standard_error[0])
+    assert (exact - result.log_partition).item() > 10  # what the NaN stands for: far off, unseen
