@@ -9,6 +9,7 @@ assert at the next synchronisation, with ``message`` in the kernel's log.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -27,10 +28,14 @@ def refuse_unless(condition: torch.Tensor, message: str, full_message: Callable[
         raise ValueError(full_message() if full_message is not None else message) from None
 
 
-def refuse_non_finite(name: str, value: torch.Tensor, where: torch.Tensor | None = None) -> None:
+def refuse_non_finite(
+    name: str, value: torch.Tensor, where: torch.Tensor | None = None, given: torch.Tensor | None = None
+) -> None:
     """``ValueError`` naming ``name`` if a floating ``value`` holds NaN or an infinity (only
     at the positions where the bool ``where`` is true, broadcast from the left, when given);
-    a device-side check (no host read unless it fails), skipped while compiling or exporting."""
+    a device-side check (no host read unless it fails), skipped while compiling or exporting.
+    ``given``: what the caller passed, ``value`` being its cast into the CRF's dtype: a value
+    finite as given is named as an overflow of that dtype."""
     if not value.dtype.is_floating_point or torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return
     finite = torch.isfinite(value)
@@ -39,9 +44,17 @@ def refuse_non_finite(name: str, value: torch.Tensor, where: torch.Tensor | None
 
     def naming_the_first():
         bad = (~finite).nonzero()[0].tolist()
-        return f"{name} contains NaN or Inf (first at index {bad}, value {value[tuple(bad)].item()}); it must be finite"
+        held = (value if given is None else given)[tuple(bad)].item()
+        if math.isfinite(held):
+            return (
+                f"{name} holds {held:g} (first at index {bad}), which overflows {value.dtype} (largest finite "
+                f"{torch.finfo(value.dtype).max:g}), the CRF's dtype; scale it into range or cast the CRF"
+            )
+        return f"{name} contains NaN or Inf (first at index {bad}, value {held}); it must be finite"
 
-    refuse_unless(finite.all(), f"{name} contains NaN or Inf; it must be finite", naming_the_first)
+    refuse_unless(
+        finite.all(), f"{name} contains NaN or Inf, or overflows its dtype; it must be finite", naming_the_first
+    )
 
 
 def refuse_non_finite_parameters(module: torch.nn.Module) -> None:
