@@ -336,50 +336,55 @@ def shape_expression(tmp_path, valid, marker) -> Path:
     return write_torch_archive(tmp_path / "expression.pt2", entries)
 
 
-def guard_code(tmp_path, valid, marker) -> Path:
-    """Guard code: ExportedProgram.module() compiles it into the module's input check."""
+def with_program(valid, path: Path, edit) -> Path:
+    """``valid`` with its program JSON changed in place by ``edit(program)``, written to ``path``."""
     entries = entries_of(valid)
     name = key(entries, "models/model.json")
     program = json.loads(entries[name])
-    program["guards_code"].append(f"open({str(marker)!r}, 'w') is not None")
+    edit(program)
     entries[name] = json.dumps(program).encode()
-    return write_torch_archive(tmp_path / "guards.pt2", entries)
+    return write_torch_archive(path, entries)
+
+
+def signature(program) -> dict:
+    return program["graph_module"]["module_call_graph"][0]["signature"]
+
+
+def guard_code(tmp_path, valid, marker) -> Path:
+    """Guard code: ExportedProgram.module() compiles it into the module's input check."""
+    return with_program(
+        valid, tmp_path / "guards.pt2", lambda p: p["guards_code"].append(f"open({str(marker)!r}, 'w') is not None")
+    )
 
 
 def foreign_target(tmp_path, valid, marker) -> Path:
     """A node calling a function outside ATen (resolved by attribute lookup under torch)."""
-    entries = entries_of(valid)
-    name = key(entries, "models/model.json")
-    program = json.loads(entries[name])
-    node = program["graph_module"]["graph"]["nodes"][0]
-    node["target"] = "torch.serialization.load"
-    entries[name] = json.dumps(program).encode()
-    return write_torch_archive(tmp_path / "target.pt2", entries)
+
+    def edit(program):
+        program["graph_module"]["graph"]["nodes"][0]["target"] = "torch.serialization.load"
+
+    return with_program(valid, tmp_path / "target.pt2", edit)
 
 
 def forward_argument_names(tmp_path, valid, marker) -> Path:
     """Argument names: torch writes them into the ``def forward(...)`` it generates and runs,
     so a default value there ran while the model loaded."""
-    entries = entries_of(valid)
-    name = key(entries, "models/model.json")
-    program = json.loads(entries[name])
-    signature = program["graph_module"]["module_call_graph"][0]["signature"]
-    signature["forward_arg_names"] = [*signature["forward_arg_names"], f"_x=open({str(marker)!r}, 'w')"]
-    entries[name] = json.dumps(program).encode()
-    return write_torch_archive(tmp_path / "arguments.pt2", entries)
+
+    def edit(program):
+        signature(program)["forward_arg_names"].append(f"_x=open({str(marker)!r}, 'w')")
+
+    return with_program(valid, tmp_path / "arguments.pt2", edit)
 
 
 def spec_dict_key(tmp_path, valid, marker) -> Path:
     """A dict key of the input spec: torch writes it into the generated forward as text."""
-    entries = entries_of(valid)
-    name = key(entries, "models/model.json")
-    program = json.loads(entries[name])
-    signature = program["graph_module"]["module_call_graph"][0]["signature"]
-    spec = json.loads(signature["in_spec"])
-    spec[1]["children_spec"][1]["context"] = json.dumps([f"k'+str(open({str(marker)!r}, 'w'))+'"])
-    signature["in_spec"] = json.dumps(spec)
-    entries[name] = json.dumps(program).encode()
-    return write_torch_archive(tmp_path / "spec.pt2", entries)
+
+    def edit(program):
+        spec = json.loads(signature(program)["in_spec"])
+        spec[1]["children_spec"][1]["context"] = json.dumps([f"k'+str(open({str(marker)!r}, 'w'))+'"])
+        signature(program)["in_spec"] = json.dumps(spec)
+
+    return with_program(valid, tmp_path / "spec.pt2", edit)
 
 
 ATTACKS = {
