@@ -48,14 +48,14 @@ class Vocabulary:
 
     @classmethod
     def build(cls, sentences, max_size: int | None = None) -> Vocabulary:
-        counts = Counter(w for s in sentences for w in s if w not in (PAD, UNK, MASK))
-        ordered = [w for w, _ in counts.most_common(None if max_size is None else max_size - 3)]
-        return cls([PAD, UNK, MASK] + ordered)
+        counts = Counter(w for s in sentences for w in s if w not in SPECIALS)
+        ordered = [w for w, _ in counts.most_common(None if max_size is None else max_size - len(SPECIALS))]
+        return cls([*SPECIALS, *ordered])
 
     def __post_init__(self):
         self.index = {w: i for i, w in enumerate(self.words)}
-        if self.words[:3] != [PAD, UNK, MASK]:
-            raise ValueError(f"a vocabulary must start with {[PAD, UNK, MASK]}")
+        if tuple(self.words[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"a vocabulary must start with {list(SPECIALS)}")
 
     def __len__(self) -> int:
         return len(self.words)
@@ -234,8 +234,8 @@ class SubwordVocabulary:
         tokenizer.encode_special_tokens = True
         size = tokenizer.get_vocab_size()
         self.words = [tokenizer.id_to_token(i) for i in range(size)]
-        if self.words[:3] != [PAD, UNK, MASK]:
-            raise ValueError(f"a subword vocabulary must start with {[PAD, UNK, MASK]}, got {self.words[:3]}")
+        if tuple(self.words[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"a subword vocabulary must start with {list(SPECIALS)}, got {self.words[:3]}")
 
     @classmethod
     def train(cls, lines: list[str], size: int) -> SubwordVocabulary:
@@ -244,7 +244,7 @@ class SubwordVocabulary:
         tokenizer = Tokenizer(models.WordPiece(unk_token=UNK))
         tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=[PAD, UNK, MASK])
+        trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=list(SPECIALS))
         tokenizer.train_from_iterator(lines, trainer)
         kept = tokenizer.get_vocab_size()
         if kept > size:  # WordPiece keeps every character it saw, whatever the size asked for
