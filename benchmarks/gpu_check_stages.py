@@ -283,6 +283,16 @@ def training_throughput(device: torch.device, sizes: Sizes) -> dict:
             **_compiles_and_syncs(steps["pt"], device, sizes)}  # fmt: skip
 
 
+# what CUDA's sync debug mode says at each synchronising call; its one-off notice that the mode
+# is a prototype ("Synchronization debug mode is ...") is not a sync
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def sync_warnings(caught: list) -> list:
+    """The warnings of ``caught`` that report a synchronising CUDA call."""
+    return [w for w in caught if SYNC_WARNING in str(w.message)]
+
+
 def _compiles_and_syncs(step, device: torch.device, sizes: Sizes) -> dict:
     from torch._dynamo.utils import counters
 
@@ -299,7 +309,7 @@ def _compiles_and_syncs(step, device: torch.device, sizes: Sizes) -> dict:
         finally:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        syncs = sync_warnings(caught)
     # where each sync was asked for (the warning's Python frame), so the next run can name it
     sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
     return {"loop_steps": sizes.train_steps, "recompiles_after_warmup": counters["stats"]["unique_graphs"] - before,

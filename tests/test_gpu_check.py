@@ -55,3 +55,31 @@ def test_the_profile_and_precision_scripts_dry_run_on_the_cpu(tmp_path, capsys, 
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["n"] == 16 and row["pt_s"] > 0 and row["layer_s"] > 0
     assert row["relative_logit_error"] < 1e-5
+
+
+def test_only_a_synchronising_call_counts_as_a_host_sync():
+    """The first GPU loop counted CUDA's notice that sync debug mode is a prototype (raised once,
+    in set_sync_debug_mode) as a sync: the count is of the warnings that name a synchronising call."""
+    import warnings
+
+    from benchmarks.gpu_check_stages import sync_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for message in (
+            "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+            "operations (Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:1003.)",
+            "called a synchronizing CUDA operation (Triggered internally at c10/cuda/...)",
+            "an unrelated warning",
+        ):
+            warnings.warn(message, UserWarning, stacklevel=1)
+    assert [str(w.message)[:37] for w in sync_warnings(caught)] == ["called a synchronizing CUDA operation"]
+
+
+def test_the_sync_site_script_needs_a_cuda_device():
+    import pytest
+
+    from benchmarks import gpu_sync_sites
+
+    with pytest.raises(SystemExit, match="a CUDA device is needed"):
+        gpu_sync_sites.main(["--device", "cpu"])
