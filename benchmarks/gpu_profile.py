@@ -1,6 +1,7 @@
 """Where one PT iteration's time goes on a device: torch.profiler over a forward + backward.
 
     python3 -m benchmarks.gpu_profile --device cuda --n 512 --out profile.txt
+    python3 -m benchmarks.gpu_profile --device cuda --n 8192 --batch 1 --topology "window(256)"
 
 Builds the engine of ``benchmarks/gpu_check_stages.py`` (``pt_engine``, ``pt_step``) at the
 GPU targets' reference sizes, warms it up, then profiles ``--rounds`` steps and writes the
@@ -26,18 +27,21 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=512)
     parser.add_argument("--form", choices=["grouped", "shared"], default="grouped")
     parser.add_argument("--topology", default="full")
+    parser.add_argument("--batch", type=int, default=None, help="sentences per step (default: the GPU targets')")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--threads", type=int, default=8, help="CPU threads (the GPU machine has 16 cores)")
     args = parser.parse_args()
-    for name in ("n", "rounds", "rows", "threads"):
-        if getattr(args, name) < 1:
+    for name in ("n", "rounds", "rows", "threads", "batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sizes = replace(TINY if args.tiny else Sizes(), lengths=(args.n,))
+    if args.batch is not None:
+        sizes = replace(sizes, batch=args.batch)
     engine = pt_engine(sizes, args.topology, args.form, device)
     run = pt_step(engine, args.n, sizes, device)
     for _ in range(2):
