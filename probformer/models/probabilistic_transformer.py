@@ -248,18 +248,26 @@ class ProbabilisticTransformer(nn.Module, PretrainedMixin):
 
         return confidence
 
-    def auxiliary_loss(self, posterior, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """What the trainer adds to the task loss: ACT's ponder cost, the span penalty and,
-        with ``aligned_training``, the task loss of every earlier iteration's output
-        (per target token, like the task loss). None when there is nothing to add."""
+    def auxiliary_loss(self, posterior, mask: torch.Tensor, targets: torch.Tensor, token_count=None,
+                       target_count=None) -> torch.Tensor | None:  # fmt: skip
+        """What the trainer adds to the task loss: ACT's ponder cost (per real token), the span
+        penalty and, with ``aligned_training``, the task loss of every earlier iteration's output
+        (per target token, like the task loss). None when there is nothing to add.
+
+        ``token_count`` and ``target_count`` are the per-token terms' denominators, by default
+        this batch's real and target tokens. Under DDP each process holds a share of the batch
+        and DDP averages the processes' gradients: the trainer passes the whole batch's counts
+        divided by the process count, so that average is the whole batch's mean (as for the
+        task loss), not a mean of the processes' means."""
         config, n, terms = self.config, mask.shape[1], []
         if posterior.halting is not None and "ponder" in posterior.halting and config.ponder_cost:
             ponder = posterior.halting["ponder"][:, :n]
-            terms.append(config.ponder_cost * (ponder * mask).sum() / mask.sum().clamp(min=1))
+            tokens = mask.sum().clamp(min=1) if token_count is None else token_count
+            terms.append(config.ponder_cost * (ponder * mask).sum() / tokens)
         if self.mean_field.span is not None and config.span_penalty:
             terms.append(config.span_penalty * self.mean_field.spans().mean())
         if config.aligned_training:
-            count = (targets != -100).sum().clamp(min=1)
+            count = (targets != -100).sum().clamp(min=1) if target_count is None else target_count
             for logits in posterior.history[:-1]:
                 outputs = self.head(logits, mask).float()
                 terms.append(F.cross_entropy(outputs.transpose(1, 2), targets, reduction="sum") / count)

@@ -22,8 +22,8 @@ Transformer baselines) and both tasks (MLM, UPOS tagging):
 - a non-finite loss or gradient stops the run before the optimiser step, naming the
   step; the last checkpoint (always finite weights) stays the resume point;
 - data parallel under ``torchrun`` (gloo on CPU, nccl on CUDA): every process draws
-  the same global batch and masks, keeps its rows, and the loss is normalised by the
-  global count of predicted tokens, so the loss curve equals one process's.
+  the same global batch and masks, keeps its rows, and the loss (the model's auxiliary
+  loss too) is normalised by the global counts, so the loss curve equals one process's.
 
 Every input is validated (config, data files, lengths, vocabulary; for ``--resume``
 the run folder, the saved config and the data's encoding, in ``resume``) before the
@@ -256,7 +256,8 @@ class Trainer:
         bf16 = train.bf16 or self.device.type == "cuda"
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits, output = self.wrapped(inputs[rows], mask[rows])
-            extra = auxiliary(output, mask[rows], targets[rows]) if auxiliary else None
+            shares = (real_tokens / self.world, count / self.world)  # the whole batch's counts, shared out
+            extra = auxiliary(output, mask[rows], targets[rows], *shares) if auxiliary else None
         loss_sum = F.cross_entropy(logits.float().transpose(1, 2), targets[rows], reduction="sum")
         # DDP averages gradients over processes: scale so the result is the global mean
         objective = loss_sum * self.world / max(count, 1)

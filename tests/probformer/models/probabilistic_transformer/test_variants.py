@@ -40,6 +40,9 @@ def test_auxiliary_losses_are_what_the_config_says():
     ponder = posterior.halting["ponder"][:, :7]
     expected = 0.05 * (ponder * mask).sum() / mask.sum()
     assert torch.allclose(act.auxiliary_loss(posterior, mask, targets), expected)
+    # given denominators (a DDP process's share of the whole batch's counts) replace the batch's own
+    shared = 0.05 * (ponder * mask).sum() / 2.5
+    assert torch.allclose(act.auxiliary_loss(posterior, mask, targets, token_count=2.5, target_count=7.0), shared)
 
     span = model(span=True, span_max=16, span_penalty=0.01)
     _, posterior = span(tokens, mask)
@@ -54,6 +57,8 @@ def test_auxiliary_losses_are_what_the_config_says():
         for h in posterior.history[:-1]
     )
     assert torch.allclose(aligned.auxiliary_loss(posterior, mask, targets), by_hand)
+    given = aligned.auxiliary_loss(posterior, mask, targets, token_count=99.0, target_count=3.5)
+    assert torch.allclose(given, by_hand * count / 3.5)
     assert model().auxiliary_loss(model()(tokens, mask)[1], mask, targets) is None
 
 

@@ -89,8 +89,15 @@ def test_resume_of_a_run_from_before_a_config_key_existed(tmp_path):
         Trainer(run_config.load(tmp_path / "other.toml"), tmp_path / "run", resume=True)
 
 
-def test_ddp_two_processes_give_the_single_process_loss_curve(tmp_path):
+@pytest.mark.parametrize("variant", ["plain", "act_aligned"])
+def test_ddp_two_processes_give_the_single_process_loss_curve(tmp_path, variant):
+    """act_aligned: ACT's ponder cost and the aligned losses are per-token terms too; each
+    process's share of the batch has its own token counts, so a mean of the processes' means
+    would train another model than one process does (a step later, another loss)."""
     config = write_config(tmp_path, dropout=0.0, steps=6)
+    if variant == "act_aligned":
+        text = config.read_text().replace("mup = true", 'halting = "act"\nponder_cost = 0.5\naligned_training = true')
+        config.write_text(text)
     single = tmp_path / "single"
     train(config, single, progress=False)
     ddp = tmp_path / "ddp"
