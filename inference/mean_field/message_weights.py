@@ -71,7 +71,9 @@ class MupScales:
     def at(cls, labels: float, rank: float, global_labels: float = 0) -> MupScales:
         """The absolute factors at width ``labels``, rank ``rank`` and ``global_labels``
         global values (floats allowed: a base width need not be buildable)."""
-        d, r, m = float(labels), float(rank), float(max(global_labels, 1))
+        # no global variable: its factors are unused, so 1; a fractional count (a base width's
+        # global_labels / m) stays as it is, or the ratio to it would not be the width multiplier
+        d, r, m = float(labels), float(rank), float(global_labels) if global_labels > 0 else 1.0
         tau = d / r
         return cls(temperature=tau, attention=tau * d, ternary_message=d, topic_message=m, topic_logits=tau * m)
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import inference
@@ -87,6 +87,21 @@ def test_engine_scales_are_relative_to_the_base():
     model = pf.ProbabilisticTransformer(config)
     # the information weights stay those of the base width (attention = d0 = 16 under "reference")
     assert model.mean_field.scales()["attention"] == pytest.approx(16 * 4)
+
+
+@given(st.integers(1, 6), st.integers(1, 5), st.sampled_from(mup.PARADIGMS))
+@settings(max_examples=30)
+def test_the_global_factors_grow_with_the_width_multiplier_even_below_one_base_global_label(g, k, paradigm):
+    """global_labels grow with d: the global messages' factor relative to the
+    base is the width multiplier m, also where the base's global count g / m is below 1; it had
+    been read as 1 there, so the factor was g instead of m."""
+    m = 2**k
+    config = _config(mup=True, mup_paradigm=paradigm, labels=4 * m, channels=2 * m, rank=4 * m,
+                     global_labels=g, mup_base_width=4)  # fmt: skip
+    scales = mup.engine_scales(config)
+    tau = scales.temperature  # d / r relative to the base's: 1 or m by paradigm
+    assert scales.topic_message == pytest.approx(m) and scales.topic_logits == pytest.approx(tau * m)
+    assert mup.engine_scales(_config(mup=True, labels=4 * m, mup_base_width=4, global_labels=0)).topic_message == 1
 
 
 def test_widen_keeps_bookkeeping_and_survives_checkpoints(tmp_path):
