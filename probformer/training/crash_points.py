@@ -10,7 +10,8 @@ The points, in the order a step reaches them: ``step`` (after the optimiser step
 ``metrics:partial`` (half a metrics line written), ``metrics:written``,
 ``save:weights`` (temporary checkpoint has its weights only), ``save:temporary``
 (temporary complete), ``save:renamed`` (renamed, pointer not moved),
-``save:pointer`` (pointer moved, old checkpoint not yet pruned), ``final:logged``,
+``save:pointer`` (pointer moved, old checkpoint not yet pruned), ``best:model`` (a new
+best validation's ``best/`` folder written, its step's checkpoint not yet), ``final:logged``,
 ``final:model`` (final model folder written, summary not yet).
 """
 
@@ -30,6 +31,7 @@ POINTS = (
     "save:temporary",
     "save:renamed",
     "save:pointer",
+    "best:model",
     "final:logged",
     "final:model",
 )

@@ -11,6 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from probformer.training import placement
+
 __all__ = ["EarlyStopping"]
 
 
@@ -31,6 +35,20 @@ class EarlyStopping:
     @property
     def stop(self) -> bool:
         return self.patience > 0 and self.since_best >= self.patience
+
+    def share(self, rank: int, world: int, device: torch.device) -> None:
+        """Every process of a DDP run takes rank 0's decision (only rank 0 validates)."""
+        if world > 1:
+            flag = torch.tensor([float(rank == 0 and self.stop)], device=device)
+            stop = bool(placement.all_sum(flag, world).item())  # a validation step: the host waits for it anyway
+            if rank != 0:
+                self.since_best = self.patience if stop else 0
+
+    def describe(self) -> str:
+        return (
+            f"stopping early, {self.patience} validations without a new best "
+            f"(best loss {self.best_loss:.4f} at step {self.best_step})"
+        )
 
     def state(self) -> dict:
         best = self.best_loss if math.isfinite(self.best_loss) else None  # strict JSON has no Infinity

@@ -115,7 +115,7 @@ def _remove(path: Path) -> None:
 
 def remove_stale_temporaries(run_dir) -> None:
     """Remove what a killed process left half-written: ``.NAME.tmp-PID`` files and
-    folders and ``.model.old-PID`` in the run folder and its ``checkpoints``."""
+    folders and ``.NAME.old-PID`` (``model``, ``best``) in the run folder and its ``checkpoints``."""
     for folder in (Path(run_dir), Path(run_dir) / "checkpoints"):
         if folder.is_dir() and not folder.is_symlink():
             for stale in [*folder.glob(".*.tmp-*"), *folder.glob(".*.old-*")]:
@@ -216,12 +216,12 @@ def restore_training_checkpoint(source: Path, model, optimizer) -> dict:
     return counters
 
 
-def save_final_model(run_dir, model, vocabulary, tags: list[str] | None) -> Path:
-    """Write the run's ``model/`` folder (a plain checkpoint, plus ``tags.json``) under a
-    temporary name, then swap it in: a reader never sees a half-written model."""
+def save_final_model(run_dir, model, vocabulary, tags: list[str] | None, name: str = "model") -> Path:
+    """Write the run's ``model/`` folder (or ``best/``: a plain checkpoint, plus ``tags.json``)
+    under a temporary name, then swap it in: a reader never sees a half-written model."""
     run_dir = Path(run_dir)
-    final = run_dir / "model"
-    temporary, old = run_dir / f".model.tmp-{os.getpid()}", run_dir / f".model.old-{os.getpid()}"
+    final = run_dir / name
+    temporary, old = run_dir / f".{name}.tmp-{os.getpid()}", run_dir / f".{name}.old-{os.getpid()}"
     try:
         _remove(temporary)
         checkpoint.save(model, temporary, vocabulary)

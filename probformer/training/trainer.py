@@ -342,26 +342,18 @@ class Trainer:
                 progress.message(f"step {self.step}: validation {describe(metrics)}")
                 self.plot()
                 self.early_stopping.update(metrics["loss"], self.step)
+                if self.early_stopping.best_step == self.step:  # a new best: its model kept apart from the last
+                    saved = (self.corpus.vocabulary, self.corpus.tags)
+                    run_checkpoints.save_final_model(self.out, self.model, *saved, name="best")
+                    crash_points.reached("best:model")
             if train.patience and train.eval_every and self.step % train.eval_every == 0:
-                self._share_early_stop(progress)
+                self.early_stopping.share(self.rank, self.world, self.device)  # only rank 0 validates
+                if self.early_stopping.stop:
+                    progress.message(f"step {self.step}: {self.early_stopping.describe()}")
             last = self.step == self.total_steps or self.early_stopping.stop
             if self.rank == 0 and ((train.checkpoint_every and self.step % train.checkpoint_every == 0) or last):
                 self.save()
         return self._finish() if self.rank == 0 else {}
-
-    def _share_early_stop(self, progress: Progress) -> None:
-        """Every process learns rank 0's early-stopping decision (only rank 0 validates)."""
-        if self.world > 1:
-            flag = torch.tensor([float(self.rank == 0 and self.early_stopping.stop)], device=self.device)
-            stop = bool(placement.all_sum(flag, self.world).item())  # a validation step: the host waits for it anyway
-            if self.rank != 0:
-                self.early_stopping.since_best = self.early_stopping.patience if stop else 0
-        if self.early_stopping.stop:
-            best = self.early_stopping
-            progress.message(
-                f"step {self.step}: stopping early, {best.patience} validations without a new best "
-                f"(best loss {best.best_loss:.4f} at step {best.best_step})"
-            )
 
     def _finish(self) -> dict:
         """After the last step (whose checkpoint is written): the final validation line,
