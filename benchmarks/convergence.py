@@ -131,13 +131,25 @@ def command(config: str, seed: int, per_epoch: int, run: Path, lr: float | None 
     return [*train, *sets, "--out", str(run), *resume]
 
 
-def validations(run: Path) -> list[dict]:
-    """The periodic (end-of-epoch) validation lines of a run's metrics."""
+def records(run: Path) -> list[dict]:
+    """The lines of a run's metrics.jsonl."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in lines if r["split"] == "valid" and not r.get("final")]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def epoch_validations(run: Path) -> list[dict]:
+    """One validation line per epoch trained: the periodic (end-of-epoch) ones, and the final
+    one where it is later than they are. The trainer validates periodically at the end of
+    every epoch but the run's last (MAX_EPOCHS epochs), where its final validation is that
+    epoch's; an early-stopped run's final line repeats its last periodic one (same step)."""
+    lines = [r for r in records(run) if r["split"] == "valid"]
+    periodic = [r for r in lines if not r.get("final")]
+    final = [r for r in lines if r.get("final")]
+    if final and (not periodic or final[-1]["step"] > periodic[-1]["step"]):
+        periodic.append(final[-1])
+    return periodic
 
 
 def finished(run: Path) -> bool:
@@ -145,7 +157,7 @@ def finished(run: Path) -> bool:
 
 
 def epochs_done(run: Path) -> int:
-    return len(validations(run)) + finished(run)
+    return len(epoch_validations(run))
 
 
 def add_cpu_seconds(run: Path, seconds: float) -> None:

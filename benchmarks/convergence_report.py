@@ -21,9 +21,10 @@ from benchmarks.convergence import (
     PLOT,
     RESULTS,
     Arm,
+    epoch_validations,
     finished,
     parse_arms,
-    validations,
+    records,
 )
 
 DOC = Path("docs/benchmarks.md")
@@ -34,17 +35,14 @@ COMMAND = ".venv/bin/python -m benchmarks.convergence --workers 2 && .venv/bin/p
 
 
 def curve(run: Path) -> list[float]:
-    """Validation perplexity after each epoch (index 0: epoch 1)."""
-    return [r["perplexity"] for r in validations(run)]
+    """Validation perplexity after each epoch (index 0: epoch 1), the last epoch of a run
+    trained to the end included (its final validation)."""
+    return [r["perplexity"] for r in epoch_validations(run)]
 
 
 def tokens_per_second(run: Path) -> float | None:
     """The median over the run's logging windows (robust to windows paused by other work)."""
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    speeds = [r["tokens_per_second"] for r in lines if r["split"] == "train" and "tokens_per_second" in r]
+    speeds = [r["tokens_per_second"] for r in records(run) if r["split"] == "train" and "tokens_per_second" in r]
     return statistics.median(speeds) if speeds else None
 
 

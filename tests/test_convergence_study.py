@@ -2,6 +2,11 @@
 its overrides make a valid run config with early stopping on every epoch, and the
 crossing point is found where the sign of the gap changes."""
 
+import json
+import math
+import tempfile
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -141,3 +146,39 @@ def test_perplexities_past_a_million_print_as_powers_of_ten():
 
     assert ppl(282.64) == "282.6" and ppl(2.1309e40) == "2.13e+40"
     assert ppl(-5.25, signed=True) == "-5.2" and ppl(-2.13e40, signed=True) == "-2.13e+40"
+
+
+def _write_run(run, perplexities, per_epoch, stopped_early, finished):
+    """A run folder as the trainer leaves it: train lines, a periodic validation after every
+    epoch but on the run's last step (MAX_EPOCHS epochs: there it validates once, as its
+    final line), the final line and summary.json once finished."""
+    run.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for epoch, value in enumerate(perplexities, start=1):
+        step = epoch * per_epoch
+        lines.append({"step": step, "split": "train", "loss": 5.0, "tokens_per_second": 1000.0 + epoch})
+        if step < convergence.MAX_EPOCHS * per_epoch:
+            lines.append({"step": step, "split": "valid", "loss": math.log(value), "perplexity": value})
+    if finished:
+        final = {"step": len(perplexities) * per_epoch, "split": "valid", "final": True}
+        lines.append(final | {"loss": math.log(perplexities[-1]), "perplexity": perplexities[-1]})
+        (run / "summary.json").write_text(json.dumps({"stopped_early": stopped_early}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+@given(st.lists(st.floats(1.0, 1e4), min_size=1, max_size=convergence.MAX_EPOCHS), st.booleans())
+def test_the_curve_has_one_perplexity_per_epoch_trained_the_last_epoch_included(values, to_the_end):
+    """A run that trains all MAX_EPOCHS epochs has no periodic validation on its last step,
+    only the final one: the curve takes that as its last epoch (it was left out: 39 epochs,
+    and a best and last perplexity without the 40th); an early-stopped run's final line
+    repeats its last periodic one and adds no epoch."""
+    from benchmarks.convergence_report import curve
+
+    if to_the_end:
+        values = (values * convergence.MAX_EPOCHS)[: convergence.MAX_EPOCHS]
+    finished = to_the_end or len(values) > convergence.PATIENCE  # else in progress
+    with tempfile.TemporaryDirectory() as folder:
+        run = Path(folder) / "run"
+        _write_run(run, values, 7, stopped_early=not to_the_end, finished=finished)
+        assert curve(run) == values
+        assert convergence.epochs_done(run) == len(values)
