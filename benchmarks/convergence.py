@@ -132,11 +132,14 @@ def command(config: str, seed: int, per_epoch: int, run: Path, lr: float | None 
 
 
 def records(run: Path) -> list[dict]:
-    """The lines of a run's metrics.jsonl."""
+    """The lines of a run's metrics.jsonl, but a last one without its newline: the trainer
+    writes a line in two parts, and a run in progress (or killed between them) can hold
+    the first alone; its resume drops it, and so does this."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 def epoch_validations(run: Path) -> list[dict]:

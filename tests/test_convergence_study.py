@@ -182,3 +182,20 @@ def test_the_curve_has_one_perplexity_per_epoch_trained_the_last_epoch_included(
         _write_run(run, values, 7, stopped_early=not to_the_end, finished=finished)
         assert curve(run) == values
         assert convergence.epochs_done(run) == len(values)
+
+
+@given(st.integers(1, 10_000), st.sampled_from(["train", "valid"]))
+def test_a_line_the_trainer_is_still_writing_is_no_record(cut, split):
+    """The trainer appends a metrics line in two writes (and a kill can stop it between them),
+    so a report read while the study runs can find a last line without its newline: it is
+    not read (it was, and JSONDecodeError ended the report), as the trainer's resume drops it."""
+    from benchmarks.convergence_report import curve, tokens_per_second
+
+    with tempfile.TemporaryDirectory() as folder:
+        run = Path(folder) / "run"
+        _write_run(run, [300.0, 200.0, 150.0], 7, stopped_early=False, finished=False)
+        whole = (convergence.records(run), curve(run), tokens_per_second(run), convergence.epochs_done(run))
+        line = json.dumps({"step": 28, "split": split, "loss": 4.9, "perplexity": 134.3, "tokens_per_second": 9.0})
+        with (run / "metrics.jsonl").open("a") as handle:
+            handle.write(line[: cut % len(line)])
+        assert (convergence.records(run), curve(run), tokens_per_second(run), convergence.epochs_done(run)) == whole
