@@ -60,10 +60,19 @@ def status(run: Path, summary: dict | None) -> str:
 DIVERGED = 10.0  # a validation perplexity this many times the best before it: the run diverged there
 
 
+def best_epoch(points: list[float]) -> int | None:
+    """The epoch (1-based) of the lowest perplexity, the first of equals; a NaN is never the
+    best (as in early stopping, which keeps the same epoch)."""
+    measured = [epoch for epoch, value in enumerate(points) if not math.isnan(value)]
+    return min(measured, key=points.__getitem__) + 1 if measured else None
+
+
 def diverged_at(points: list[float]) -> int | None:
-    """The first epoch (1-based) whose perplexity is ``DIVERGED`` times the best before it."""
+    """The first epoch (1-based) whose perplexity is ``DIVERGED`` times the best before it,
+    or NaN after one."""
     for epoch in range(1, len(points)):
-        if points[epoch] > DIVERGED * min(points[:epoch]):
+        best = best_epoch(points[:epoch])
+        if best is not None and not points[epoch] <= DIVERGED * points[best - 1]:
             return epoch + 1
     return None
 
@@ -78,7 +87,7 @@ def ppl(value: float, signed: bool = False) -> str:
 def summarise(arm: Arm, seed: int) -> dict:
     run = arm.folder(seed)
     points = curve(run)
-    best = min(range(len(points)), key=points.__getitem__) if points else None
+    best = best_epoch(points)
     summary = json.loads((run / "summary.json").read_text()) if finished(run) else None
     return {
         "config": arm.name,
@@ -88,8 +97,8 @@ def summarise(arm: Arm, seed: int) -> dict:
         "lr_from": "the one-epoch sweep" if arm.lr is None else "fixed",
         "curve": points,
         "epochs": len(points),
-        "best_perplexity": points[best] if points else None,
-        "best_epoch": best + 1 if points else None,
+        "best_perplexity": points[best - 1] if best else None,
+        "best_epoch": best,
         "status": status(run, summary),
         "diverged_at": diverged_at(points),
         "tokens_per_second": tokens_per_second(run),
@@ -225,7 +234,7 @@ def report(arms: list[Arm], seeds: int) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        best = f"{ppl(r['best_perplexity'])} ({r['best_epoch']})" if r["curve"] else "—"
+        best = f"{ppl(r['best_perplexity'])} ({r['best_epoch']})" if r["best_epoch"] else "—"
         last = f"{ppl(r['curve'][-1])}" if r["curve"] else "—"
         status = r["status"] + (f", diverged at epoch {r['diverged_at']}" if r["diverged_at"] else "")
         speed = f"{r['tokens_per_second']:,.0f}" if r["tokens_per_second"] else "—"
@@ -236,9 +245,10 @@ def report(arms: list[Arm], seeds: int) -> str:
     lines += ["", f"Total CPU hours so far: {sum(r['cpu_hours'] for r in rows):.2f}.", ""]
     for r in (r for r in rows if r["diverged_at"]):
         epoch = r["diverged_at"]
+        before = r["curve"][best_epoch(r["curve"][: epoch - 1]) - 1]
         lines.append(
             f"- Diverged: {r['config']} s{r['seed']} at epoch {epoch} (validation perplexity "
-            f"{ppl(r['curve'][epoch - 1])}, after a best of {ppl(min(r['curve'][: epoch - 1]))}); early stopping "
+            f"{ppl(r['curve'][epoch - 1])}, after a best of {ppl(before)}); early stopping "
             "ends it once its patience runs out, and its best epoch stands."
         )
     pts = [arm.name for arm in arms if arm.model == "pt"]

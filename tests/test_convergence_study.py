@@ -199,3 +199,20 @@ def test_a_line_the_trainer_is_still_writing_is_no_record(cut, split):
         with (run / "metrics.jsonl").open("a") as handle:
             handle.write(line[: cut % len(line)])
         assert (convergence.records(run), curve(run), tokens_per_second(run), convergence.epochs_done(run)) == whole
+
+
+@given(st.lists(st.one_of(st.floats(1.0, 1e6), st.just(math.nan)), min_size=1, max_size=40))
+def test_the_best_epoch_is_early_stoppings_and_a_nan_is_never_it(points):
+    """The report's best epoch is the one the trainer's early stopping keeps (the first lowest
+    loss, a NaN never an improvement); it took a NaN at epoch 1 as the best (min() keeps
+    a NaN it starts from), and a NaN after a best was no divergence."""
+    from benchmarks.convergence_report import best_epoch, diverged_at
+    from probformer.training.early_stopping import EarlyStopping
+
+    stopping = EarlyStopping(patience=0)
+    for epoch, value in enumerate(points, start=1):
+        stopping.update(math.log(value), epoch)
+    assert best_epoch(points) == (stopping.best_step or None)
+    first_nan = next((e for e, value in enumerate(points) if math.isnan(value)), None)
+    if first_nan is not None and any(not math.isnan(value) for value in points[:first_nan]):
+        assert diverged_at(points) is not None and diverged_at(points) <= first_nan + 1
