@@ -365,6 +365,10 @@ class Trainer:
         self.plot()
         run_checkpoints.save_final_model(self.out, self.model, self.corpus.vocabulary, self.corpus.tags)
         crash_points.reached("final:model")
+        train = self.config.train  # the last step's validation is the final one: a best too, on the same sentences
+        same_sentences = not train.eval_sentences or train.eval_sentences >= len(self.corpus.valid)
+        if train.eval_every and same_sentences and final["loss"] < self.early_stopping.best_loss:
+            run_checkpoints.save_final_model(self.out, self.model, self.corpus.vocabulary, self.corpus.tags, "best")
         summary = {
             "kind": self.config.kind,
             "parameters": self.parameters,

@@ -81,6 +81,25 @@ def test_best_holds_the_model_of_the_lowest_logged_validation_loss(trained):
     assert sum(p.numel() for p in last.parameters()) == sum(p.numel() for p in best.parameters())
 
 
+def test_a_final_validation_below_every_periodic_one_is_the_best_where_it_scores_the_same_sentences(tmp_path):
+    """The run's last step has no periodic validation, only the final one (all sentences):
+    where the periodic ones score all sentences too, a lower final loss makes the last model
+    the best; where they score a subset, the losses are not comparable and best/ stays."""
+    for eval_sentences, final_is_best in ((0, True), (6, False)):
+        folder = tmp_path / str(eval_sentences)
+        folder.mkdir()
+        text = RUN.format(lr=0.003, patience=0).replace("eval_sentences = 6", f"eval_sentences = {eval_sentences}")
+        (folder / "run.toml").write_text(text)
+        train(folder / "run.toml", folder / "run", progress=False)
+        lines = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+        final = next(r for r in lines if r.get("final"))
+        if eval_sentences == 0:
+            assert final["loss"] < min(r["loss"] for r in periodic(folder / "run")), "not a case where it matters"
+        run = folder / "run"
+        same = (run / "best/model.safetensors").read_bytes() == (run / "model/model.safetensors").read_bytes()
+        assert same == final_is_best
+
+
 def test_a_kill_right_after_best_is_written_resumes_to_the_same_run(tmp_path, trained):
     config, reference, _ = trained
     run = tmp_path / "run"
