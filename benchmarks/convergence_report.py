@@ -150,7 +150,8 @@ def crossing(pt: list[float], baseline: list[float]) -> str:
 
 
 def seed_by_seed(rows: list[dict], pt: str, baseline: str) -> str:
-    """Where each seed's PT curve crosses the same seed's baseline curve."""
+    """Where each seed's PT curve crosses the same seed's baseline curve, and the gap at the
+    last epoch both have (the current state, also where the mean over seeds ends earlier)."""
     curves = {(r["config"], r["seed"]): r["curve"] for r in rows}
     parts = []
     for seed in sorted({r["seed"] for r in rows}):
@@ -158,11 +159,21 @@ def seed_by_seed(rows: list[dict], pt: str, baseline: str) -> str:
         common = min(len(a), len(b))
         flips = sign_changes([b[e] - a[e] for e in range(common)])
         where = ", then ".join(f"{e}-{e + 1}" for e in flips) if flips else f"none in {common} epoch(s)"
-        parts.append(f"s{seed} {where}")
+        last = f" (gap {ppl(b[common - 1] - a[common - 1], signed=True)} at epoch {common})" if common else ""
+        parts.append(f"s{seed} {where}{last}")
     return "; ".join(parts)
 
 
-def against_the_paper(pt: list[float], bert: list[float]) -> str:
+def divergence_note(rows: list[dict], config: str) -> str:
+    """Why the mean over seeds of ``config`` may end before its seeds do: a seed that diverged."""
+    cut = sorted((r["diverged_at"], r["seed"]) for r in rows if r["config"] == config and r.get("diverged_at"))
+    if not cut:
+        return ""
+    epoch, seed = cut[0]
+    return f" (the mean ends at epoch {epoch - 1}: s{seed} diverged at epoch {epoch})"
+
+
+def against_the_paper(pt: list[float], bert: list[float], name: str = "PT") -> str:
     """The ranking so far (the last epoch both curves have) beside the PT paper's converged one."""
     paper = (
         "the PT paper's converged ranking on PTB MLM (its own recipe), where the Transformer is ahead: "
@@ -174,7 +185,7 @@ def against_the_paper(pt: list[float], bert: list[float]) -> str:
     leader = "BERT" if bert[common - 1] < pt[common - 1] else "PT"
     agrees = "agrees with" if leader == "BERT" else "is the reverse of"
     figures = f"{ppl(pt[common - 1])} PT vs {ppl(bert[common - 1])} BERT"
-    return f"At epoch {common}, {leader} is ahead ({figures}): this {agrees} {paper}."
+    return f"{name}: at epoch {common}, {leader} is ahead ({figures}): this {agrees} {paper}."
 
 
 def plot(rows: list[dict]) -> None:
@@ -256,10 +267,10 @@ def report(arms: list[Arm], seeds: int) -> str:
         for baseline in [arm.name for arm in arms if arm.model != "pt"]:
             gap = crossing(mean_curve(rows, pt), mean_curve(rows, baseline))
             seeds = seed_by_seed(rows, pt, baseline)
-            lines.append(f"- {pt} vs {baseline} (mean over seeds): {gap}. Crossings seed by seed: {seeds}.")
-    tuned = [arm.name for arm in arms if arm.model == "pt" and arm.lr is None] or pts  # the sweep's PT first
-    if tuned:
-        lines.append(f"- {against_the_paper(mean_curve(rows, tuned[0]), mean_curve(rows, 'bert-small'))}")
+            note = divergence_note(rows, pt)
+            lines.append(f"- {pt} vs {baseline} (mean over seeds{note}): {gap}. Crossings seed by seed: {seeds}.")
+    for pt in pts:  # every PT arm: the sweep's rate and the sensitivity arms alike
+        lines.append(f"- {against_the_paper(mean_curve(rows, pt), mean_curve(rows, 'bert-small'), pt)}")
     done = all(r["status"] not in ("in progress", "not started") for r in rows)
     lines.append(
         ""

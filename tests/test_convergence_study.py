@@ -77,7 +77,22 @@ def test_each_seed_crossing_is_read_from_that_seeds_curves_alone():
         {"config": "pt", "seed": 1, "curve": [100.0, 90.0]},
         {"config": "bert", "seed": 1, "curve": [200.0, 95.0, 1.0]},  # seed 1's PT has 2 epochs
     ]
-    assert seed_by_seed(rows, "pt", "bert") == "s0 2-3; s1 none in 2 epoch(s)"
+    assert (
+        seed_by_seed(rows, "pt", "bert") == "s0 2-3 (gap -10.0 at epoch 3); s1 none in 2 epoch(s) (gap +5.0 at epoch 2)"
+    )
+    assert seed_by_seed([{"config": "pt", "seed": 0, "curve": []}], "pt", "bert") == "s0 none in 0 epoch(s)"
+
+
+def test_a_mean_cut_by_a_diverged_seed_says_so():
+    from benchmarks.convergence_report import divergence_note
+
+    rows = [
+        {"config": "pt", "seed": 0, "diverged_at": 13},
+        {"config": "pt", "seed": 1, "diverged_at": None},
+        {"config": "bert", "seed": 0, "diverged_at": 2},
+    ]
+    assert divergence_note(rows, "pt") == " (the mean ends at epoch 12: s0 diverged at epoch 13)"
+    assert divergence_note(rows[1:2], "pt") == ""
 
 
 def test_the_mean_curve_stops_before_a_seed_diverged():
@@ -102,7 +117,8 @@ def test_the_ranking_is_read_against_the_papers():
     from benchmarks.convergence_report import against_the_paper
 
     text = against_the_paper([600.0, 500.0], [650.0, 400.0])
-    assert "BERT is ahead (500.0 PT vs 400.0 BERT): this agrees with" in text
+    assert text.startswith("PT: at epoch 2, BERT is ahead (500.0 PT vs 400.0 BERT): this agrees with")
+    assert against_the_paper([300.0], [400.0], "pt-small-lr0.01").startswith("pt-small-lr0.01: at epoch 1, PT")
     assert "PT is ahead" in against_the_paper([300.0], [400.0]) and "reverse" in against_the_paper([300.0], [400.0])
 
 
