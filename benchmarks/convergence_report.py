@@ -170,7 +170,7 @@ def divergence_note(rows: list[dict], config: str) -> str:
     if not cut:
         return ""
     epoch, seed = cut[0]
-    return f" (the mean ends at epoch {epoch - 1}: s{seed} diverged at epoch {epoch})"
+    return f"; it ends at epoch {epoch - 1}: s{seed} diverged at epoch {epoch}"
 
 
 def against_the_paper(pt: list[float], bert: list[float], name: str = "PT") -> str:
