@@ -11,7 +11,9 @@ reliability, processes, the GPU check and the convergence study.
 
 Helpers that more than one file uses live in ``builders.py`` (CRFs, batches, configs, kernel
 inputs), ``oracles.py`` (answers computed independently of the library), ``strategies.py``
-(hypothesis strategies) and the conftest fixtures; no test file imports another. Every folder
+(hypothesis strategies) and the conftest fixtures; helpers that only the files of one folder
+share live beside them, in a module named for what it holds
+(``tests/probformer/deploy/reader/crafting.py``). No test file imports another. Every folder
 is a package, so test basenames may repeat across folders."""
 
 import os

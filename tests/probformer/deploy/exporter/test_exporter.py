@@ -319,7 +319,7 @@ def test_every_export_runs_where_the_research_stack_cannot_be_imported(every_exp
 
 
 # ---- files that are not what they claim -------------------------------------------------
-# (crafted archives and code-execution attempts: tests/probformer/deploy/test_reader.py)
+# (crafted archives and code-execution attempts: tests/probformer/deploy/reader/)
 
 
 @pytest.fixture(scope="module")
