@@ -17,6 +17,6 @@ def one_thread():
 def keep_global_rng():
     """Torch's global RNG given back as it was, for tests that seed it
     (``pytestmark = pytest.mark.usefixtures("keep_global_rng")``): tests which run later and
-    draw from it (tests/inference/smc/test_filter.py) see what they saw without them."""
+    draw from it (tests/inference/smc/filter/) see what they saw without them."""
     with torch.random.fork_rng():
         yield

@@ -1,0 +1,64 @@
+"""The filter compiled and on a device: ``torch.compile`` of a run equals eager under a fixed
+generator, and no filter step reads a tensor's value on the host (with ``validate=False``
+nothing at all; with validation once, after the last step)."""
+
+import pytest
+import torch
+
+from inference import SMC
+from inference.smc.filter import RESAMPLERS
+from tests.builders import lgssm
+from tests.inference.smc.filter.bootstrap import bootstrap
+
+
+def test_compiled_filter_equals_eager_under_a_fixed_generator():
+    ys, A, Q, H, R, m0, P0 = lgssm(1, seed=5, steps=6)
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        result = SMC(64, generator=g).filter(*bootstrap(ys, A, Q, H, R, m0, P0, 64, g), num_steps=6, batch_size=3)
+        return result.log_evidence, result.particles
+
+    compiled = torch.compile(run)
+    (eager_z, eager_x), (compiled_z, compiled_x) = run(11), compiled(11)
+    torch.testing.assert_close(compiled_z, eager_z)
+    torch.testing.assert_close(compiled_x, eager_x)
+
+
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on every operator that reads a tensor's value on the host (.item(), bool(),
+    .tolist() of a device tensor): on CUDA each is a synchronisation."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            raise AssertionError(f"host synchronisation: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", RESAMPLERS)
+def test_filter_reads_nothing_on_the_host_per_step(method, monkeypatch):
+    """no host sync in a filter step. With validate=False a run reads nothing on
+    the host; with validate=True it reads once, after the last step."""
+    g = torch.Generator().manual_seed(0)
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(self.shape)
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+
+    def init(B):
+        return torch.randn(B, 16, generator=g)
+
+    def step(t, x):
+        x = 0.9 * x + torch.randn(x.shape, generator=g)
+        return x, -0.5 * (x - 1.0) ** 2
+
+    with _NoHostSync():
+        result = SMC(16, resample=method, ess_threshold=0.9, generator=g, validate=False).filter(init, step, 6, 3)
+    assert reads == [] and bool(result.resampled.any())  # it did resample (read outside the mode)
+    with _NoHostSync():
+        SMC(16, resample=method, ess_threshold=0.9, generator=g).filter(init, step, 6, 3)
+    assert len(reads) == 1
