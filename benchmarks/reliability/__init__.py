@@ -29,8 +29,9 @@ that is accepted fails at allocation (obscure) instead of swapping the machine.
 
 Layout: ``harness`` (cases, classification, workers), ``fixtures`` (shared models and
 mutations), one module per family of entry points (models, factor_graphs, engines,
-samplers, diagnostics, run_files, artefacts, command_line), and here the plan and the
-report.
+samplers, diagnostics, run_configs, checkpoints, artefacts, command_line, non_finite), with
+``folder_damage`` (the damage to a saved folder that checkpoints and artefacts share), and
+here the plan and the report.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.reliability.artefacts import export_cases, load_cases
+from benchmarks.reliability.checkpoints import checkpoint_cases, save_cases
 from benchmarks.reliability.command_line import cli_cases
 from benchmarks.reliability.diagnostics import diversity_cases, ess_cases, pareto_cases, report_cases
 from benchmarks.reliability.engines import exact_cases, mean_field_cases
@@ -55,7 +57,7 @@ from benchmarks.reliability.harness import ROOT, Case, run_cases
 from benchmarks.reliability.models import config_cases, forward_cases, pt_variant_cases
 from benchmarks.reliability.non_finite import non_finite_cases
 from benchmarks.reliability.report import summarise, write_markdown
-from benchmarks.reliability.run_files import checkpoint_cases, run_config_cases, save_cases
+from benchmarks.reliability.run_configs import run_config_cases
 from benchmarks.reliability.samplers import gibbs_cases, smc_cases
 
 SEED = 17

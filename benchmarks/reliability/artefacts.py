@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.reliability.fixtures import KINDS, VOCAB, payload_pickle, tiny_model, unrelated_file
+from benchmarks.reliability.folder_damage import damage_folder
 from benchmarks.reliability.harness import Case, nonfinite
-from benchmarks.reliability.run_files import damage_folder
 
 
 def export_cases(workdir: Path) -> list[Case]:

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.reliability.artefacts import call_check
+from benchmarks.reliability.checkpoints import make_checkpoint_templates
 from benchmarks.reliability.fixtures import forward, logits_of
 from benchmarks.reliability.harness import ROOT, Case, CliLeftFolder, CliTraceback, Hang
-from benchmarks.reliability.run_files import make_checkpoint_templates
 
 
 def cli(args: list[str], cwd: Path, timeout: float, must_not_create: Path | None = None):
