@@ -1,4 +1,5 @@
-"""``make demo`` end to end, shortened to a few steps per model."""
+"""``make demo`` end to end, shortened to a few steps per model, and the command the demo
+prints for the reader to run next, which runs as printed."""
 
 import json
 
@@ -18,3 +19,15 @@ def test_demo_trains_both_models_and_writes_everything(tmp_path, capsys):
     exported = tmp_path / "demo-pt" / "export"
     assert (exported / "torch" / "model.safetensors").is_file() and (exported / "model.onnx").is_file()
     assert "PT exported" in printed
+
+
+def test_the_demo_prints_a_command_that_runs_as_printed(monkeypatch):
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    command = demo.cli_command()  # what the demo's "next" lines start with
+    result = subprocess.run([*shlex.split(command), "--version"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("probformer ")
