@@ -30,8 +30,8 @@ that is accepted fails at allocation (obscure) instead of swapping the machine.
 Layout: ``harness`` (cases, classification, workers), ``fixtures`` (shared models and
 mutations), one module per family of entry points (models, factor_graphs, engines,
 samplers, diagnostics, run_configs, checkpoints, artefacts, command_line, non_finite), with
-``folder_damage`` (the damage to a saved folder that checkpoints and artefacts share), and
-here the plan and the report.
+``folder_damage`` (the damage to a saved folder that checkpoints and artefacts share) and
+``pt2_crafting`` (the crafted .pt2 archives), and here the plan and the report.
 """
 
 from __future__ import annotations
