@@ -125,11 +125,17 @@ class Gibbs:
         import jax
 
         # float64 in JAX: without it every table becomes float32, and DiscreteGibbs's conditionals,
-        # differences of the batch's summed potential, lost their precision at large potentials
-        with jax.enable_x64(True):
+        # differences of the batch's summed potential, lost their precision at large potentials.
+        # Set globally, not by the thread-local enable_x64: a user factor's callback returns on
+        # XLA's threads, where JAX would read its float64 result as float32 and refuse it
+        previous = jax.config.jax_enable_x64
+        jax.config.update("jax_enable_x64", True)
+        try:
             collapsed = _CollapsedCRF.of(crf, tokens, mask)
             z_draws, key_block = self._label_draws(collapsed)
             draws, values = _block_draws(collapsed, z_draws, key_block, crf.node_mask(mask).numpy())
+        finally:
+            jax.config.update("jax_enable_x64", previous)
         means, errors, sizes, rhat = _summaries(values, float(self.num_chains * self.num_samples))
         dims = {"z": ["sentence", "node"], "h": ["sentence", "channel", "node"], "g": ["sentence", "token"]}
         inference_data = arviz_interop.from_arrays({"posterior": draws}, dims=dims)

@@ -110,7 +110,7 @@ class SameAsNext(graphs.Factor):
         return self.weight * same.to(self.weight.dtype).sum(-1)
 
 
-@pytest.mark.slow  # ~10 s idle: the user factor runs in torch through a JAX callback
+# ~10 s idle (the user factor runs in torch through a JAX callback); in make test: the one Gibbs run of a user factor
 def test_gibbs_compiles_pairwise_and_user_factors_and_agrees_with_exact():
     torch.manual_seed(6)
     factors = [graphs.factors.Pairwise(2, "chain()"), SameAsNext(1.5)]
