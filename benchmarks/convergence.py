@@ -25,7 +25,10 @@ number). Runs advance in turns of --slice epochs, the run with the fewest epochs
 so a partial study has every curve at about the same length; a turn ends right after an
 epoch's checkpoint is written. The worker processes share one process group, whose id
 (negated, for ``kill -STOP``/``kill -CONT``) is in runs/convergence/worker.pid while they
-run. CPU seconds of every turn are added to the run's cpu_seconds.json.
+run. CPU seconds of every turn are added to the run's cpu_seconds.json when it ends; while
+it runs, what it has used so far is in the run's cpu_seconds_in_flight.json (read from /proc
+at every poll), so a turn killed with its worker (the end of a session) is counted up to its
+last poll: the next start adds it to cpu_seconds.json.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ ROOT = Path("runs/convergence")
 SWEEP = Path("docs/benchmarks/ptb_lr_sweep.json")
 PLOT = Path("docs/benchmarks/convergence.png")
 RESULTS = Path("docs/benchmarks/convergence.json")
+IN_FLIGHT = "cpu_seconds_in_flight.json"  # a running turn's CPU seconds so far
 
 
 def tuned_lr(config: str) -> float:
@@ -169,6 +173,32 @@ def add_cpu_seconds(run: Path, seconds: float) -> None:
     path.write_text(json.dumps({"cpu_seconds": total + seconds}))
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a live process has used, from /proc (Linux; None elsewhere):
+    fields 14 and 15 of /proc/<pid>/stat, counted after the command name's closing bracket."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def record_in_flight(run: Path, seconds: float | None) -> None:
+    """What a running turn has used so far (written whole: a kill leaves the last complete one)."""
+    if seconds is not None:
+        temporary = run / (IN_FLIGHT + ".tmp")
+        temporary.write_text(json.dumps({"cpu_seconds": seconds}))
+        os.replace(temporary, run / IN_FLIGHT)
+
+
+def settle_in_flight(run: Path) -> None:
+    """A turn killed with its worker left its CPU seconds so far: add them to the total."""
+    path = run / IN_FLIGHT
+    if path.is_file():
+        add_cpu_seconds(run, json.loads(path.read_text())["cpu_seconds"])
+        path.unlink()
+
+
 class Turn:
     """One worker process training one run until its next epoch checkpoint (or the end)."""
 
@@ -199,21 +229,35 @@ class Turn:
         pid, status, usage = os.wait4(self.process.pid, os.WNOHANG)
         if pid == 0:  # still training
             if not self.at_epoch_checkpoint():
+                record_in_flight(self.run, process_cpu_seconds(self.process.pid))
                 return False
             self.process.send_signal(signal.SIGKILL)  # its checkpoint is complete: nothing is lost
             _, status, usage = os.wait4(self.process.pid, 0)
         self.process.returncode = code = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-        add_cpu_seconds(self.run, usage.ru_utime + usage.ru_stime)
-        self.log.close()
+        self.count(usage)
         if code not in (0, -signal.SIGKILL):
             raise SystemExit(f"{self.run.name} failed (exit code {code}); see {self.log.name}")
         return True
+
+    def count(self, usage) -> None:
+        """The ended turn's CPU seconds into the run's total (exact: the reaped process's usage)."""
+        add_cpu_seconds(self.run, usage.ru_utime + usage.ru_stime)
+        (self.run / IN_FLIGHT).unlink(missing_ok=True)
+        self.log.close()
+
+    def stop(self) -> None:
+        """Kill the turn (the study stops) and count what it used."""
+        self.process.kill()
+        _, _, usage = os.wait4(self.process.pid, 0)
+        self.count(usage)
 
 
 def study(seeds: int, workers: int, slice_epochs: int, arms: list[Arm]) -> None:
     per_epoch = steps_per_epoch(arms[0].config)  # the same data and batch size for every model
     queue = [(arm, seed) for seed in range(seeds) for arm in arms]
     ROOT.mkdir(parents=True, exist_ok=True)
+    for arm, seed in queue:  # no turn runs yet: what a killed one left is settled
+        settle_in_flight(arm.folder(seed))
     (ROOT / "worker.pid").write_text(f"-{os.getpgrp()}\n")
     running: list[Turn] = []
     try:
@@ -230,7 +274,7 @@ def study(seeds: int, workers: int, slice_epochs: int, arms: list[Arm]) -> None:
             running = [turn for turn in running if not turn.poll()]
     finally:
         for turn in running:
-            turn.process.kill()
+            turn.stop()
         (ROOT / "worker.pid").unlink(missing_ok=True)
     print("every run has finished", flush=True)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from benchmarks.convergence import (
     ARMS,
+    IN_FLIGHT,
     MAX_EPOCHS,
     PATIENCE,
     PLOT,
@@ -47,8 +48,11 @@ def tokens_per_second(run: Path) -> float | None:
 
 
 def cpu_hours(run: Path) -> float:
-    path = run / "cpu_seconds.json"
-    return json.loads(path.read_text())["cpu_seconds"] / 3600 if path.is_file() else 0.0
+    seconds = 0.0
+    for name in ("cpu_seconds.json", IN_FLIGHT):  # the ended turns, and the one running now
+        path = run / name
+        seconds += json.loads(path.read_text())["cpu_seconds"] if path.is_file() else 0.0
+    return seconds / 3600
 
 
 def status(run: Path, summary: dict | None) -> str:

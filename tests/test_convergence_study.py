@@ -232,3 +232,60 @@ def test_the_best_epoch_is_early_stoppings_and_a_nan_is_never_it(points):
     first_nan = next((e for e, value in enumerate(points) if math.isnan(value)), None)
     if first_nan is not None and any(not math.isnan(value) for value in points[:first_nan]):
         assert diverged_at(points) is not None and diverged_at(points) <= first_nan + 1
+
+
+def test_a_live_process_cpu_seconds_are_read_from_proc():
+    """The oracle: os.times() of this process, which reads the same kernel counters."""
+    import os
+    import time
+
+    from benchmarks.convergence import process_cpu_seconds
+
+    end = time.process_time() + 0.05
+    while time.process_time() < end:  # some CPU time to count
+        pass
+    before = os.times()
+    seconds = process_cpu_seconds(os.getpid())
+    after = os.times()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before.user + before.system - tick <= seconds <= after.user + after.system + tick
+    assert process_cpu_seconds(2**22 + 12345) is None  # no such process
+
+
+def test_a_turn_killed_with_its_worker_is_counted_up_to_its_last_poll(tmp_path):
+    from benchmarks.convergence import IN_FLIGHT, add_cpu_seconds, record_in_flight, settle_in_flight
+    from benchmarks.convergence_report import cpu_hours
+
+    run = tmp_path / "run"
+    run.mkdir()
+    add_cpu_seconds(run, 3600.0)  # ended turns
+    record_in_flight(run, 600.0)
+    record_in_flight(run, 1800.0)  # the last poll before the kill
+    assert cpu_hours(run) == 1.5  # the report counts the running turn too
+    settle_in_flight(run)  # the next start
+    assert not (run / IN_FLIGHT).exists() and cpu_hours(run) == 1.5
+    settle_in_flight(run)  # nothing left to settle: counted once
+    assert cpu_hours(run) == 1.5 and sorted(p.name for p in run.iterdir()) == ["cpu_seconds.json"]
+
+
+def test_a_turn_records_its_cpu_while_it_runs_and_exactly_when_stopped(tmp_path):
+    """A Turn around a process that burns CPU: a poll writes its seconds so far; stopping it
+    (the study's end on another run's failure) adds its reaped usage and drops the in-flight file."""
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.convergence import IN_FLIGHT, Turn
+    from benchmarks.convergence_report import cpu_hours
+
+    turn = object.__new__(Turn)  # the process, not a training run: no trainer needed
+    turn.run, turn.until, turn.per_epoch = tmp_path, 1, 10
+    turn.log = open(tmp_path / "turn.log", "a")  # noqa: SIM115 (closed by count)
+    turn.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    time.sleep(0.5)
+    assert turn.poll() is False
+    so_far = json.loads((tmp_path / IN_FLIGHT).read_text())["cpu_seconds"]
+    assert so_far > 0
+    turn.stop()
+    assert not (tmp_path / IN_FLIGHT).exists() and turn.log.closed
+    assert cpu_hours(tmp_path) * 3600 >= so_far
