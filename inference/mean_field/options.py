@@ -76,6 +76,7 @@ class MeanFieldOptions:
     ) -> MeanFieldOptions:
         """The checked options of an engine on ``crf`` (``ValueError`` naming the argument)."""
         _check_iterations_schedule_kernel_dropout(iterations, schedule, kernel, dropout)
+        _check_flags(mup=mup, span=span)
         damping = labels_and_heads("damping", damping, 0.0, 0.999999)
         step_size = labels_and_heads("step_size", step_size, 0.0, 1.0, low_open=True)
         weights = MessageWeights.parse(weights, crf.labels)
@@ -89,7 +90,7 @@ class MeanFieldOptions:
         options = cls(
             iterations=iterations,
             schedule=schedule,
-            mup=bool(mup),
+            mup=mup,
             kernel=kernel,
             dropout=float(dropout),
             damping=damping,
@@ -100,7 +101,7 @@ class MeanFieldOptions:
             halting_source=halting_source,
             act_epsilon=float(act_epsilon),
             exit_threshold=float(exit_threshold),
-            adaptive_span=bool(span),
+            adaptive_span=span,
             span_max=span_max,
             span_ramp=span_ramp,
             memory_topk=memory_topk,
@@ -142,6 +143,13 @@ def _check_iterations_schedule_kernel_dropout(iterations, schedule, kernel, drop
         raise ValueError(f"unknown kernel {kernel!r}; allowed: {list(KERNELS)}")
     if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise ValueError(f"dropout must lie in [0, 1), got {dropout!r}")
+
+
+def _check_flags(**flags) -> None:
+    """Switches are bools: bool() would read "false" or "no" as True."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False (a bool), got {type(value).__name__} {value!r}")
 
 
 def _check_halting(halting, halting_source, act_epsilon, exit_threshold, schedule) -> None:

@@ -1,0 +1,34 @@
+"""Bad settings of a ``MeanField`` are refused by name when the engine is built: nothing is
+read as something else (a switch given as text, a number given as a bool)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphs
+import inference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def small_crf() -> graphs.CRF:
+    return graphs.CRF(vocab_size=7, labels=3, channels=2, rank=2)
+
+
+not_a_bool = st.one_of(st.integers(), st.text(max_size=5), st.none(), st.floats(allow_nan=False), st.just("false"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(flag=st.sampled_from(["mup", "span"]), value=not_a_bool)
+def test_a_switch_that_is_not_a_bool_is_refused_by_name(flag, value):
+    """``bool("false")`` is True: a switch given as text, a number or None would turn μP or
+    the adaptive span on or off silently."""
+    with pytest.raises(TypeError, match=rf"{flag} must be True or False \(a bool\)"):
+        inference.MeanField(small_crf(), **{flag: value})
+
+
+def test_the_switches_as_bools_are_taken():
+    engine = inference.MeanField(small_crf(), mup=True, span=True)
+    assert engine.options.mup is True and engine.options.adaptive_span is True
