@@ -24,6 +24,7 @@ INITIAL_HEAD_LOGITS = ("none", "ones")
 KERNELS = ("auto", "naive", "fused", "flex")
 _NO_MUP = MupScales(temperature=1.0, attention=1.0, ternary_message=1.0, topic_message=1.0, topic_logits=1.0)
 MAX_ITERATIONS = 10_000  # each iteration is a layer: far deeper than any model we train
+MAX_SPAN = 2**20  # span_max, span_ramp: distances, as PTConfig's limit
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,9 @@ def _check_halting(halting, halting_source, act_epsilon, exit_threshold, schedul
             f"halting must be one of {list(HALTING)} and halting_source one of {list(HALTING_SOURCES)}, "
             f"got {halting!r}, {halting_source!r}"
         )
+    for name, value in (("act_epsilon", act_epsilon), ("exit_threshold", exit_threshold)):
+        if isinstance(value, bool) or not isinstance(value, int | float):  # True would read as 1
+            raise TypeError(f"{name} must be a real number (an int or float), got {type(value).__name__} {value!r}")
     if not 0 < act_epsilon < 1 or not 0 < exit_threshold <= 1:
         raise ValueError(
             f"act_epsilon must lie in (0, 1) and exit_threshold in (0, 1], got {act_epsilon}, {exit_threshold}"
@@ -167,8 +171,9 @@ def _check_halting(halting, halting_source, act_epsilon, exit_threshold, schedul
 
 
 def _check_span_memory_initial(span, span_max, span_ramp, memory_topk, initial_head_logits) -> None:
-    if span and (span_max < 1 or span_ramp < 1):
-        raise ValueError(f"span_max and span_ramp must be >= 1, got {span_max}, {span_ramp}")
+    for name, value in (("span_max", span_max), ("span_ramp", span_ramp)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SPAN:
+            raise ValueError(f"{name} must be an integer >= 1 and <= {MAX_SPAN} (the limit), got {value!r}")
     if isinstance(memory_topk, bool) or not isinstance(memory_topk, int) or memory_topk < 1:
         raise ValueError(f"memory_topk must be an integer >= 1, got {memory_topk!r}")
     if initial_head_logits not in INITIAL_HEAD_LOGITS:

@@ -32,3 +32,23 @@ def test_a_switch_that_is_not_a_bool_is_refused_by_name(flag, value):
 def test_the_switches_as_bools_are_taken():
     engine = inference.MeanField(small_crf(), mup=True, span=True)
     assert engine.options.mup is True and engine.options.adaptive_span is True
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"halting": "exit", "exit_threshold": True}, TypeError, "exit_threshold must be a real number"),
+        ({"halting": "act", "act_epsilon": "0.5"}, TypeError, "act_epsilon must be a real number"),
+        ({"halting": "act", "act_epsilon": None}, TypeError, "act_epsilon must be a real number"),
+        ({"span": True, "span_max": "64"}, ValueError, "span_max must be an integer >= 1"),
+        ({"span": True, "span_max": True}, ValueError, "span_max must be an integer >= 1"),
+        ({"span": True, "span_ramp": 2.5}, ValueError, "span_ramp must be an integer >= 1"),
+        ({"span": True, "span_ramp": 0}, ValueError, "span_ramp must be an integer >= 1"),
+        ({"span": True, "span_max": 2**40}, ValueError, "span_max must be an integer >= 1 and <= 1048576"),
+    ],
+)
+def test_halting_and_span_numbers_of_a_wrong_type_are_refused_by_name(options, error, words):
+    """True was taken as an exit threshold of 1 and 2.5 as a ramp; text failed in a comparison
+    with Python's own words, naming no argument."""
+    with pytest.raises(error, match=words):
+        inference.MeanField(small_crf(), **options)
