@@ -67,10 +67,17 @@ class MupScales:
     topic_message: float  # global message to the labels
     topic_logits: float  # global-variable logits
 
+    def __post_init__(self):
+        for f in fields(self):  # each multiplies or divides logits: 0, a sign flip or NaN would poison them
+            _positive(f"MupScales.{f.name}", getattr(self, f.name))
+
     @classmethod
     def at(cls, labels: float, rank: float, global_labels: float = 0) -> MupScales:
         """The absolute factors at width ``labels``, rank ``rank`` and ``global_labels``
         global values (floats allowed: a base width need not be buildable)."""
+        for name, value in (("labels", labels), ("rank", rank)):
+            _positive(name, value)
+        _positive("global_labels", global_labels, zero=True)
         # no global variable: its factors are unused, so 1; a fractional count (a base width's
         # global_labels / m) stays as it is, or the ratio to it would not be the width multiplier
         d, r, m = float(labels), float(rank), float(global_labels) if global_labels > 0 else 1.0
@@ -85,7 +92,17 @@ class MupScales:
     def relative_to(self, base: MupScales) -> MupScales:
         """Factors divided by the base width's: all 1 at the base width, so a μP model
         tuned there equals the standard one (``probformer.mup`` uses this form)."""
+        if not isinstance(base, MupScales):
+            raise TypeError(f"base must be a MupScales, got {type(base).__name__}")
         return MupScales(**{f.name: getattr(self, f.name) / getattr(base, f.name) for f in fields(self)})
+
+
+def _positive(name: str, value, zero: bool = False) -> None:
+    """A finite real number > 0 (>= 0 with ``zero``), not a bool or text."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a real number (an int or float), got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or not (value >= 0 if zero else value > 0):
+        raise ValueError(f"{name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")
 
 
 def labels_and_heads(name: str, value, low: float, high: float, low_open: bool = False) -> tuple[float, float]:

@@ -81,6 +81,8 @@ class MeanFieldOptions:
         damping = labels_and_heads("damping", damping, 0.0, 0.999999)
         step_size = labels_and_heads("step_size", step_size, 0.0, 1.0, low_open=True)
         weights = MessageWeights.parse(weights, crf.labels)
+        if mup_scales is not None and not isinstance(mup_scales, MupScales):
+            raise TypeError(f"mup_scales must be an inference.MupScales or None, got {type(mup_scales).__name__}")
         mup_scales = mup_scales or MupScales.reconstruction(crf)
         _check_halting(halting, halting_source, act_epsilon, exit_threshold, schedule)
         if schedule == "macaron" and not crf.global_labels:
