@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import graphs
 from inference.mean_field.halting import HALTING, HALTING_SOURCES
 from inference.mean_field.message_weights import MessageWeights, MupScales, labels_and_heads
 
@@ -76,6 +77,8 @@ class MeanFieldOptions:
         initial_head_logits="none",
     ) -> MeanFieldOptions:
         """The checked options of an engine on ``crf`` (``ValueError`` naming the argument)."""
+        if not isinstance(crf, graphs.CRF):
+            raise TypeError(f"crf must be a graphs.CRF, got {type(crf).__name__}")
         _check_iterations_schedule_kernel_dropout(iterations, schedule, kernel, dropout)
         _check_flags(mup=mup, span=span)
         damping = labels_and_heads("damping", damping, 0.0, 0.999999)

@@ -52,3 +52,10 @@ def test_halting_and_span_numbers_of_a_wrong_type_are_refused_by_name(options, e
     with Python's own words, naming no argument."""
     with pytest.raises(error, match=words):
         inference.MeanField(small_crf(), **options)
+
+
+@pytest.mark.parametrize("crf", [5, None, "crf", graphs.factors.Pairwise(3)])
+def test_an_engine_on_something_other_than_a_crf_is_refused_by_name(crf):
+    """It failed with an AttributeError (``'int' object has no attribute 'labels'``)."""
+    with pytest.raises(TypeError, match="crf must be a graphs.CRF, got"):
+        inference.MeanField(crf)
