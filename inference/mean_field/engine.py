@@ -45,6 +45,7 @@ from torch import nn
 from inference.mean_field import bound as mean_field_bound
 from inference.mean_field import schedules as mean_field_schedules
 from inference.mean_field.factor_messages import FactorTerms
+from inference.mean_field.halting import checked_confidence
 from inference.mean_field.kernels import choice as kernel_choice
 from inference.mean_field.kernels import head_kernels
 from inference.mean_field.kernels.head_kernels import HeadStructure
@@ -327,14 +328,7 @@ class MeanField(nn.Module):
         iteration runs and it is ignored); ``confidence=False`` runs every iteration.
         ``embeddings [B, n, D]`` instead of ``tokens``: a CRF with ``embedding_size=D``,
         whose unary potentials are ``embeddings @ crf.unary``."""
-        if self.options.halting == "exit" and not self.training and confidence is None:
-            # without it no token could exit: the engine would silently run as halting="none"
-            raise ValueError(
-                "halting='exit' at inference needs confidence=, a function of the label logits "
-                "[B, N, d] -> [B, N] (e.g. lambda logits: logits.softmax(-1).amax(-1)); "
-                "confidence=False runs every iteration"
-            )
-        confidence = None if confidence is False else confidence
+        confidence = checked_confidence(self.options.halting, self.training, confidence)
         tokens, mask, structure = self.structure(tokens, mask, embeddings)
         kernel = self.resolved_kernel(structure.nodes.shape[1], tokens.device)
         factors = getattr(self.crf, "factors", ())

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HALTING", "HALTING_SOURCES", "ACT", "ConfidenceExit"]
+from graphs.device_checks import refuse_non_finite
+
+__all__ = ["HALTING", "HALTING_SOURCES", "ACT", "ConfidenceExit", "checked_confidence"]
 
 HALTING = ("none", "act", "exit")
 HALTING_SOURCES = ("posterior", "delta")
@@ -60,15 +62,44 @@ class ACT:
         }
 
 
+def checked_confidence(halting: str, training: bool, confidence):
+    """``forward``'s ``confidence``: None, False (run every iteration: None is returned) or a
+    function of the label logits; under ``halting="exit"`` at inference it is required."""
+    if halting == "exit" and not training and confidence is None:
+        # without it no token could exit: the engine would silently run as halting="none"
+        raise ValueError(
+            "halting='exit' at inference needs confidence=, a function of the label logits "
+            "[B, N, d] -> [B, N] (e.g. lambda logits: logits.softmax(-1).amax(-1)); "
+            "confidence=False runs every iteration"
+        )
+    if confidence is not None and confidence is not False and not callable(confidence):
+        raise TypeError(
+            "confidence must be a function of the label logits [B, N, d] -> [B, N], False or None, "
+            f"got {type(confidence).__name__}"
+        )
+    return None if confidence is False else confidence
+
+
 class ConfidenceExit:
     """A node stops once ``confidence >= threshold``; ``updates`` counts its iterations."""
 
     def __init__(self, nodes: torch.Tensor, threshold: float, dtype: torch.dtype):
         self.threshold = threshold
+        self.nodes = nodes
         self.running = nodes.clone()
         self.updates = torch.zeros(nodes.shape, dtype=dtype, device=nodes.device)
 
     def step(self, confidence: torch.Tensor) -> None:
+        # what the caller's function returned: a NaN compares False with the threshold and ended its token
+        if not isinstance(confidence, torch.Tensor) or not confidence.is_floating_point():
+            found = getattr(confidence, "dtype", type(confidence).__name__)
+            raise TypeError(f"confidence(logits) must return a floating tensor [B, N], got {found}")
+        if confidence.shape != self.running.shape:
+            raise ValueError(
+                f"confidence(logits) must return a tensor [B, N] = {tuple(self.running.shape)}, "
+                f"got {tuple(confidence.shape)}"
+            )
+        refuse_non_finite("confidence(logits)", confidence, where=self.nodes)
         self.updates = self.updates + self.running.to(self.updates.dtype)
         self.running = self.running & (confidence < self.threshold)
 
