@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from graphs.limits import LIMITS, check_size
+from graphs.limits import LIMITS, check_length, check_size
 
 __all__ = ["distance_cuts", "distance_groups"]
 
@@ -40,6 +40,10 @@ def distance_groups(n: int, gamma: int, extra_nodes: int = 0, device=None, cuts=
     distance up to gamma its own bucket). Arcs touching one of the ``m`` virtual nodes get
     group ``2 * (gamma + 1)``; the diagonal (never an arc) gets group 0.
     """
+    check_size("gamma", gamma, minimum=0)
+    if isinstance(extra_nodes, bool) or not isinstance(extra_nodes, int) or extra_nodes < 0:
+        raise ValueError(f"extra_nodes (virtual nodes) must be an integer >= 0, got {extra_nodes!r}")
+    check_length(n, extra_nodes)  # an integer >= 1 whose [N, N] table stays within the limit
     pos = torch.arange(n, device=device)
     offset = pos[None, :] - pos[:, None]
     if cuts is None or tuple(cuts) == tuple(range(2, gamma + 2)):  # the clip: one clamp for any gamma
