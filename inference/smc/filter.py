@@ -43,6 +43,7 @@ MAX_PARTICLES = 2**24  # N: the ancestors [T, B, N] and a relaxation's [B, N, N]
 MAX_BATCH = 2**24  # B independent filters
 MAX_PARTICLES_PER_STEP = 2**31  # B * N particles of one step
 MAX_STEPS = 2**31  # T: a loop in Python, one step at a time
+MAX_RECORDS = 2**28  # entries of each record allocated before the run (ESS [T, B], ancestors [T, B, N]): 2 GiB of int64
 TEMPERATURES = (1e-6, 1e6)  # tau: scores / tau stays finite in float32 for scores up to ~1e32
 
 
@@ -146,22 +147,33 @@ class SMC:
             init, step, num_steps, batch_size = state_space_callables(
                 model, data, batch_size, num_steps, init_args, self.num_particles
             )
-            self._check_batch(batch_size)
+            self._check_batch(batch_size, num_steps)
             return self._run(init, step, num_steps, batch_size, weighs_init=True)
         if not callable(init) or not callable(step):
             raise TypeError("filter takes (init, step, num_steps) callables or (model, data) for a Pyro model")
         _check_count("num_steps", num_steps, 0, MAX_STEPS)
         batch_size = 1 if batch_size is None else batch_size
-        self._check_batch(batch_size)
+        self._check_batch(batch_size, num_steps)
         return self._run(init, step, num_steps, batch_size)
 
-    def _check_batch(self, batch_size) -> None:
+    def _check_batch(self, batch_size, num_steps: int) -> None:
         _check_count("batch_size", batch_size, 1, MAX_BATCH)
         if batch_size * self.num_particles > MAX_PARTICLES_PER_STEP:
             raise ValueError(
                 f"batch_size x num_particles = {batch_size} x {self.num_particles} exceeds the limit "
                 f"{MAX_PARTICLES_PER_STEP} (2**31) particles per step"
             )
+        # the records are allocated before the first step: ess [T, B], and the ancestors [T, B, N]
+        recorded = self.record_ancestors and self.ess_threshold > 0
+        entries = num_steps * batch_size * (self.num_particles if recorded else 1)
+        if entries > MAX_RECORDS:
+            what = (
+                "num_steps x batch_size x num_particles (the ancestors [T, B, N])"
+                if recorded
+                else "num_steps x batch_size (the ESS [T, B])"
+            )
+            fix = "; record_ancestors=False keeps no [T, B, N] record" if recorded else ""
+            raise ValueError(f"{what} = {entries} exceeds the limit {MAX_RECORDS} (2**28) entries{fix}")
 
     def _run(
         self, init: Callable, step: Callable, num_steps: int, batch_size: int, weighs_init: bool = False
