@@ -186,7 +186,7 @@ class SMC:
         initial = None
         if weighs_init:
             particles, initial = particles
-        B, device, dtype = _check_init(particles, N)
+        B, device, dtype = _check_init(particles, N, batch_size)
         resampling = self.ess_threshold > 0  # decided in Python: "never" skips the work, nothing branches on data
         ancestors = ("record" if self.record_ancestors else "reuse") if resampling else None
         trace = Trace(num_steps, B, N, device, dtype, ancestors)
@@ -243,13 +243,16 @@ class SMC:
         return select(resampled, mix(particles, mixing), particles)
 
 
-def _check_init(particles, num_particles: int) -> tuple[int, torch.device, torch.dtype]:
+def _check_init(particles, num_particles: int, batch_size: int) -> tuple[int, torch.device, torch.dtype]:
     """``(B, device, dtype)`` of the particles ``init`` returned (``[B, N, ...]``); the weights'
     dtype is the particles' if floating point, else the default, and at least float32 (a
     half-precision weight cannot tell apart the relative weights the filter keeps)."""
     first = _first_tensor(particles, "init")
-    if first.shape[1] != num_particles:
-        raise ValueError(f"init must return particles [B, N={num_particles}, ...], got {tuple(first.shape)}")
+    if first.dim() < 2 or first.shape[:2] != (batch_size, num_particles):
+        raise ValueError(
+            f"init must return particles [B={batch_size}, N={num_particles}, ...] (batch_size, num_particles), "
+            f"got {tuple(first.shape)}"
+        )
     dtype = first.dtype if first.dtype.is_floating_point else torch.get_default_dtype()
     return first.shape[0], first.device, torch.promote_types(dtype, torch.float32)
 

@@ -1,6 +1,7 @@
 """``SMC.filter``'s sizes and what ``init`` returns, refused by name: the records of a run
 (the ESS ``[T, B]``, the ancestors ``[T, B, N]``) are allocated before its first step, so a
-huge ``num_steps`` asked for tens of gigabytes."""
+huge ``num_steps`` asked for tens of gigabytes, and an ``init`` that returned another batch
+than ``batch_size`` ran silently with its own."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_never_resampling_records_no_ancestors_and_is_limited_by_its_ess_record(
     smc.filter(lambda B: torch.zeros(B, 4), lambda t, p: (p, torch.zeros(1, 4)), num_steps=3)  # runs
     with pytest.raises(ValueError, match=r"num_steps x batch_size \(the ESS \[T, B\]\)"):
         smc.filter(lambda B: torch.zeros(B, 4), never_called, num_steps=MAX_RECORDS + 1)
+
+
+@pytest.mark.parametrize(
+    "particles",
+    [torch.zeros(5, 4, 2), torch.zeros(1, 4), torch.zeros(4), torch.tensor(0.0), {"x": torch.zeros(3, 4)}],
+)
+def test_init_returning_another_batch_or_no_batch_axis_is_refused_by_name(particles):
+    """batch_size=2: a batch of 5 ran as five filters; a 1-d or 0-d state failed with an IndexError."""
+    smc = inference.SMC(4)
+    with pytest.raises(ValueError, match=r"init must return particles \[B=2, N=4, ...\] \(batch_size, num_particles\)"):
+        smc.filter(lambda B: particles, lambda t, p: (p, torch.zeros(2, 4)), num_steps=1, batch_size=2)
