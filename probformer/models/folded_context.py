@@ -144,7 +144,7 @@ class FoldedContext(nn.Module, PretrainedMixin):
         x = self._embed(F.pad(tokens, (0, pad)))
         padded_mask = F.pad(mask, (0, pad), value=False)
         # the local stack sees each segment alone: all segments in one batch
-        local = self._local(x.view(B * segments, l, -1), padded_mask.view(B * segments, l)).view(B, segments, l, -1)
+        local = self._local(x.view(B * segments, l, -1), padded_mask.reshape(B * segments, l)).view(B, segments, l, -1)
         memory, memory_mask = self._empty_memory(x)
         outputs = []
         for s in range(segments):
