@@ -254,13 +254,13 @@ class CRF(nn.Module):
         dtype) and their mask; returns ``(x, mask)`` with x in the CRF's dtype, which every
         engine's Posterior keeps (``graphs.inputs.check_embeddings``)."""
         self._check_reads("embeddings")
-        return check_embeddings(embeddings, mask, self.embedding_size, dtype=self.unary.dtype)
+        return check_embeddings(embeddings, mask, self.embedding_size, dtype=self.unary.dtype, device=self.unary.device)
 
     def check_inputs(self, tokens, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate a batch; returns ``(tokens [B, n] long, mask [B, n] bool)``
         (``graphs.inputs.check_tokens``)."""
         self._check_reads("token ids")
-        return check_tokens(tokens, mask, self.vocab_size)
+        return check_tokens(tokens, mask, self.vocab_size, self.unary.device)
 
     def check_factor_graph(self) -> None:
         """Raise unless this CRF is a factor graph whose potential engines can score (a

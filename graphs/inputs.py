@@ -10,15 +10,23 @@ import torch
 
 from graphs.device_checks import refuse_non_finite, refuse_unless
 
-__all__ = ["check_token_types", "check_tokens", "check_embeddings", "check_assignment", "refuse_empty_rows"]
+__all__ = [
+    "check_token_types",
+    "check_device",
+    "check_tokens",
+    "check_embeddings",
+    "check_assignment",
+    "refuse_empty_rows",
+]
 
 
-def check_token_types(tokens, mask) -> torch.Tensor:
+def check_token_types(tokens, mask, device: torch.device | None = None) -> torch.Tensor:
     """The type and shape checks of a batch of token ids (every model, engine and exported
     model's wrapper makes these, with these messages): ``tokens`` a ``torch.Tensor`` of an
-    integer dtype ``[B, n]``, non-empty; ``mask`` None or a bool tensor of the same shape.
-    Numpy arrays and lists are refused (``TypeError``): ``torch.as_tensor`` converts them.
-    Returns the mask (all True when None)."""
+    integer dtype ``[B, n]``, non-empty, on ``device`` (the model's, when given); ``mask``
+    None or a bool tensor of the same shape on the same device. Numpy arrays and lists are
+    refused (``TypeError``): ``torch.as_tensor`` converts them. Returns the mask (all True
+    when None)."""
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(
             f"tokens must be a torch.Tensor of integer ids [batch, length], got {type(tokens).__name__} "
@@ -30,19 +38,30 @@ def check_token_types(tokens, mask) -> torch.Tensor:
         raise ValueError(f"tokens must have shape [batch, length], got {tuple(tokens.shape)}")
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
         raise ValueError(f"tokens must be non-empty, got shape {tuple(tokens.shape)}")
+    check_device("tokens", tokens, device)
     if mask is None:
         return torch.ones_like(tokens, dtype=torch.bool)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
     if mask.shape != tokens.shape:
         raise ValueError(f"mask shape {tuple(mask.shape)} must equal tokens shape {tuple(tokens.shape)}")
+    check_device("mask", mask, tokens.device, "the tokens'")
     return mask
 
 
-def check_tokens(tokens, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [B, n] long, mask [B, n] bool)`` of token ids in ``[0, vocab_size)``; padded
-    positions (mask False) may hold any id and read as 0."""
-    mask = check_token_types(tokens, mask)
+def check_device(name: str, value: torch.Tensor, device: torch.device | None, whose: str = "the model's") -> None:
+    """``value`` on ``device`` (none given: any): a tensor elsewhere failed inside the first
+    operation that met the two, with torch's words."""
+    if device is not None and value.device != device:
+        raise ValueError(
+            f"{name} must be on {whose} device {device}, got {value.device} (move it with .to('{device}'))"
+        )
+
+
+def check_tokens(tokens, mask, vocab_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [B, n] long, mask [B, n] bool)`` of token ids in ``[0, vocab_size)`` on
+    ``device`` when given; padded positions (mask False) may hold any id and read as 0."""
+    mask = check_token_types(tokens, mask, device)
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # value checks: eager only
         return tokens.long().masked_fill(~mask, 0), mask
     refuse_empty_rows(mask)
@@ -57,12 +76,13 @@ def check_tokens(tokens, mask, vocab_size: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def check_embeddings(
-    embeddings, mask, embedding_size: int, name: str = "embeddings", dtype: torch.dtype | None = None
+    embeddings, mask, embedding_size: int, name: str = "embeddings", dtype: torch.dtype | None = None, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x [B, n, D], mask [B, n] bool)`` of floating, finite embeddings, D = ``embedding_size``;
     padded positions read as 0 (and may hold anything, NaN included). ``name``: the
     argument's name in messages (a layer calls its input ``hidden``). ``dtype``: cast x to it
-    (a CRF's dtype); a finite value too large for it is refused as an overflow."""
+    (a CRF's dtype); a finite value too large for it is refused as an overflow. ``device``: the
+    model's, where x and its mask must be."""
     if not isinstance(embeddings, torch.Tensor) or not embeddings.dtype.is_floating_point:
         found = getattr(embeddings, "dtype", type(embeddings).__name__)
         raise TypeError(f"{name} must be a floating torch.Tensor [B, n, D], got {found}")
@@ -71,6 +91,7 @@ def check_embeddings(
             f"{name} must have shape [batch, length, {embedding_size}] (embedding_size), non-empty, "
             f"got {tuple(embeddings.shape)}"
         )
+    check_device(name, embeddings, device)
     lengths_only = torch.zeros(embeddings.shape[:2], dtype=torch.long, device=embeddings.device)
     if mask is None:
         mask = torch.ones_like(lengths_only, dtype=torch.bool)
@@ -79,6 +100,7 @@ def check_embeddings(
             raise TypeError(f"mask must be a torch.bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
         if mask.shape != lengths_only.shape:
             raise ValueError(f"mask shape {tuple(mask.shape)} must equal {name}' [B, n] {tuple(lengths_only.shape)}")
+        check_device("mask", mask, embeddings.device, f"the {name}'")
     given = embeddings
     embeddings = embeddings if dtype is None else embeddings.to(dtype)
     if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):

@@ -70,7 +70,8 @@ class Transformer(nn.Module, PretrainedMixin):
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         """Task logits and, per layer, the hidden states ``[L, B, n, width]``."""
-        tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, self.config.max_length)
+        c, device = self.config, self.embedding.weight.device
+        tokens, mask = check_token_inputs(tokens, mask, c.vocab_size, c.max_length, device)
         refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
         n = tokens.shape[1]
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))

@@ -53,11 +53,12 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
-def check_token_inputs(tokens, mask, vocab_size: int, max_length: int | None = None):
-    """Validated ``(tokens, mask)``: integer ids ``[B, n]`` (n <= ``max_length`` if given),
-    a bool mask of the same shape (default: all real), real ids in ``[0, vocab_size)``, a
-    real token in every row; padded ids -> 0. Value checks are skipped while tracing."""
-    mask = check_token_types(tokens, mask)  # TypeError / ValueError, the engines' own messages
+def check_token_inputs(tokens, mask, vocab_size: int, max_length: int | None = None, device=None):
+    """Validated ``(tokens, mask)``: integer ids ``[B, n]`` (n <= ``max_length`` if given)
+    on ``device`` (the model's, if given), a bool mask of the same shape (default: all real),
+    real ids in ``[0, vocab_size)``, a real token in every row; padded ids -> 0. Value checks
+    are skipped while tracing."""
+    mask = check_token_types(tokens, mask, device)  # TypeError / ValueError, the engines' own messages
     if max_length is not None and tokens.shape[1] > max_length:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_length={max_length}")
     if not _tracing():

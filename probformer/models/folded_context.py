@@ -127,7 +127,7 @@ class FoldedContext(nn.Module, PretrainedMixin):
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
         """Next-token logits ``[B, L, vocab]`` (position i predicts token i + 1) and the
         final hidden states ``[B, L, width]``. Padding must come at the end of a row."""
-        tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size)
+        tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, device=self.embedding.weight.device)
         refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
         if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):  # segments count from position 0
             refuse_unless(
@@ -180,9 +180,9 @@ class FoldedContext(nn.Module, PretrainedMixin):
         if not self.config.folded:
             raise ValueError("stream needs the folded model (config key 'folded' = true)")
         state = FoldedStreamState() if state is None else state
-        vocab_size = self.config.vocab_size
+        vocab_size, device = self.config.vocab_size, self.embedding.weight.device
         segments = segment_stream(
-            chunks, self.config.segment, state, lambda ids: check_token_inputs(ids, None, vocab_size)[0]
+            chunks, self.config.segment, state, lambda ids: check_token_inputs(ids, None, vocab_size, device=device)[0]
         )
         for tokens, mask, yielded in segments:
             yield self.push_segment(tokens, mask, state, yielded)

@@ -237,7 +237,8 @@ class ParticleTransformer(nn.Module, PretrainedMixin):
         return torch.where(keep[..., None], moved, x), torch.where(keep, ancestors, identity)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None):
-        tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, self.config.max_length)
+        c, device = self.config, self.embedding.weight.device
+        tokens, mask = check_token_inputs(tokens, mask, c.vocab_size, c.max_length, device)
         refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
         B, n = tokens.shape
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))

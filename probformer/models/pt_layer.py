@@ -90,4 +90,5 @@ class PTLayer(nn.Module):
     def _checked(self, hidden, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's own argument checked by its own name (``hidden``: type, shape, finite
         at real tokens once in the CRF's dtype), before the engine reads it as ``embeddings``."""
-        return check_embeddings(hidden, mask, self.crf.embedding_size, name="hidden", dtype=self.crf.unary.dtype)
+        dtype, device = self.crf.unary.dtype, self.crf.unary.device
+        return check_embeddings(hidden, mask, self.crf.embedding_size, name="hidden", dtype=dtype, device=device)

@@ -197,7 +197,8 @@ class SwarmFormer(nn.Module, PretrainedMixin):
     def encode(self, tokens, mask=None):
         """Final states ``[B, n, width]``, per-layer states ``[L, B, n, width]`` and the
         per-layer routing (assignment, probabilities, writers, cluster states)."""
-        tokens, mask = check_token_inputs(tokens, mask, self.config.vocab_size, self.config.max_length)
+        c, device = self.config, self.embedding.weight.device
+        tokens, mask = check_token_inputs(tokens, mask, c.vocab_size, c.max_length, device)
         refuse_non_finite_parameters(self)  # a weight overwritten in memory: refused by name, no host read
         n = tokens.shape[1]
         x = self.embedding(tokens) + self.position(torch.arange(n, device=tokens.device))
