@@ -22,6 +22,7 @@ import pyro.distributions as dist
 import torch
 from torch import nn
 
+from graphs.device_checks import refuse_non_finite
 from graphs.limits import LIMITS, MAX_EMBEDDING_SIZE, check_size
 
 __all__ = ["ParticleView"]
@@ -68,8 +69,24 @@ class ParticleView(nn.Module):
             return dist.Delta(mean, event_dim=1)
         return dist.Normal(mean, self.sigma).to_event(1)
 
+    def check_embeddings(self, embeddings) -> torch.Tensor:
+        """``embeddings`` as ``init`` takes them: a floating tensor ``[n, D]`` or ``[B, n, D]``
+        with D = width, non-empty and finite (no host read unless it is not)."""
+        width = self.value.in_features
+        if not isinstance(embeddings, torch.Tensor) or not embeddings.dtype.is_floating_point:
+            found = embeddings.dtype if isinstance(embeddings, torch.Tensor) else type(embeddings).__name__
+            raise TypeError(f"embeddings must be a floating torch.Tensor [n, {width}] or [B, n, {width}], got {found}")
+        if embeddings.dim() not in (2, 3) or embeddings.shape[-1] != width or 0 in embeddings.shape:
+            raise ValueError(
+                f"embeddings must have shape [n, {width}] or [B, n, {width}] (width), non-empty, "
+                f"got {tuple(embeddings.shape)}"
+            )
+        refuse_non_finite("embeddings", embeddings)
+        return embeddings
+
     def init(self, state, embeddings: torch.Tensor):
         """``embeddings``: ``[n, D]`` (one sentence) or ``[B, n, D]``."""
+        embeddings = self.check_embeddings(embeddings)
         self.num_tokens = embeddings.shape[-2]
         state["x"] = pyro.sample("x_init", dist.Delta(embeddings.reshape(-1, embeddings.shape[-1]), event_dim=1))
 
@@ -84,6 +101,7 @@ class ParticleView(nn.Module):
 
         class Guide:
             def init(self, state, embeddings):
+                embeddings = view.check_embeddings(embeddings)
                 pyro.sample("x_init", dist.Delta(embeddings.reshape(-1, embeddings.shape[-1]), event_dim=1))
 
             def step(self, state):
