@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from probformer.training import data
 
 __all__ = ["ACTIVATIONS", "activation_sizes", "run", "width_ratios", "plot"]
 
+MAX_STEPS, MAX_SEEDS = 10_000, 1_000  # a check of the first steps, averaged over a few initialisations
 ACTIVATIONS = ("unary", "quasi_distribution", "head_logits", "messages", "label_logits", "output_logits")
 
 
@@ -105,6 +107,17 @@ def progress_bar(total: float, description: str):
     return Lines(total=total, desc=description, bar_format=layout, ncols=80, mininterval=60, ascii=True)
 
 
+def _check_run(widths, steps, lr, seeds) -> None:
+    """The coordinate check's own arguments: seeds=0 averaged nothing (every size 0.0)."""
+    if isinstance(widths, str) or not isinstance(widths, list | tuple) or not widths:
+        raise ValueError(f"widths must be a non-empty list of integers >= 1, got {widths!r}")
+    for name, value, low, high in (("steps", steps, 0, MAX_STEPS), ("seeds", seeds, 1, MAX_SEEDS)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an integer >= {low} and <= {high} (the limit), got {value!r}")
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+
+
 def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, batches=None, progress=None) -> dict:
     """``{"widths", "steps", "sizes": {width: {group: [size at step 0..steps]}}}`` for
     ``base_config`` widened to each width (its ``mup`` flag picks the parametrisation),
@@ -112,9 +125,12 @@ def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, b
     narrow models noisy). ``progress``: a tqdm bar advanced by ``work`` per seed."""
     from probformer.models.probabilistic_transformer import ProbabilisticTransformer
 
+    _check_run(widths, steps, lr, seeds)
     if batches is None:
         batches, vocab_size = fixed_batches(steps)
         base_config = dataclasses.replace(base_config, vocab_size=vocab_size)
+    if len(batches) < steps + 1:  # one batch measured before each step and one after the last
+        raise ValueError(f"steps must be at most {len(batches) - 1} (the batches there are), got {steps}")
     sizes = {}
     for width in widths:
         per_step = {group: [0.0] * (steps + 1) for group in ACTIVATIONS}
