@@ -31,12 +31,12 @@ def _check_tensor(name: str, value) -> torch.Tensor:
             array = np.asarray(value)
         except ValueError as error:  # a ragged list: numbers, but no array shape
             raise ValueError(f"{name} must be a tensor or array of real numbers, got {value!r:.80} ({error})") from None
-        if array.dtype.kind == "c":
+        if array.dtype.kind in "cb":  # a bool is no weight: True would read as 1
             raise TypeError(f"{name} must hold real numbers, got dtype {array.dtype}")
-        if array.dtype.kind not in "biuf":  # strings, objects
+        if array.dtype.kind not in "iuf":  # strings, objects
             raise TypeError(f"{name} must be a tensor or array of real numbers, got {value!r:.80}")
         value = torch.as_tensor(array.astype(np.float64))
-    if value.dtype.is_complex:
+    if value.dtype.is_complex or value.dtype == torch.bool:
         raise TypeError(f"{name} must hold real numbers, got dtype {value.dtype}")
     if not value.dtype.is_floating_point:
         value = value.double()
