@@ -326,6 +326,9 @@ def from_pretrained(
     there) and read the same way. ``kind``: refuse a folder holding another kind.
     ``ValueError`` for anything that is not exactly what probformer writes,
     ``FileNotFoundError`` when nothing is there."""
+    map_location = _device(map_location)
+    if not isinstance(local_files_only, bool):
+        raise TypeError(f"local_files_only must be True or False, got {local_files_only!r}")
     path = Path(pretrained_model_name_or_path)
     try:
         if path.is_dir():
@@ -343,6 +346,21 @@ def from_pretrained(
         raise
     except OSError as error:  # unreadable: permissions, a file removed while loading
         raise ValueError(f"{path}: cannot be read: {error}") from None
+
+
+def _device(map_location) -> torch.device:
+    """``map_location`` as a device this machine has, checked before any file is read (the
+    model's ``.to`` failed with torch's words after the whole folder was)."""
+    allowed = "a device name ('cpu', 'cuda', 'cuda:1') or a torch.device"
+    if not isinstance(map_location, str | torch.device):
+        raise TypeError(f"map_location must be {allowed}, got {type(map_location).__name__} {map_location!r}")
+    try:
+        device = torch.device(map_location)
+    except RuntimeError:
+        raise ValueError(f"map_location must be {allowed}, got {map_location!r}") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"map_location {map_location!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def _hub_files(repo_id: str, options: dict) -> dict[str, Path]:
