@@ -184,7 +184,7 @@ class CRF(nn.Module):
     def ternary_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[K, C, d, d]``: ``T[k, c, a, b]`` for dependent label a and head label b, summed in
         ``dtype`` (default the CRF's; a wider one keeps a half-precision CRF's products unrounded)."""
-        u, v = self.ternary_factors()
+        (u, v), dtype = self.ternary_factors(), ternary.summing_dtype(dtype)
         return torch.einsum("kcar,kcbr->kcab", u.to(dtype or u.dtype), v.to(dtype or v.dtype))
 
     def distance_groups(self, n: int, device=None) -> torch.Tensor:

@@ -40,6 +40,7 @@ __all__ = [
     "projection_tables",
     "potential_bound",
     "parameter_count",
+    "summing_dtype",
 ]
 
 TERNARY_FORMS = ("low_rank", "cp", "tucker", "shared")
@@ -127,3 +128,11 @@ def parameter_count(crf) -> int:
     """The ternary tensor's own parameters (those of its form)."""
     own = PARAMETERS[crf.ternary_form]
     return sum(p.numel() for name, p in crf.named_parameters() if name in own)
+
+
+def summing_dtype(dtype) -> torch.dtype | None:
+    """``CRF.ternary_tensor``'s ``dtype``: None (the CRF's) or a floating torch dtype; an
+    integer dtype truncated every potential, and text failed inside ``Tensor.to``."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be None or a floating torch.dtype (e.g. torch.float64), got {dtype!r}")
+    return dtype
