@@ -43,7 +43,9 @@ MAX_PARTICLES = 2**24  # N: the ancestors [T, B, N] and a relaxation's [B, N, N]
 MAX_BATCH = 2**24  # B independent filters
 MAX_PARTICLES_PER_STEP = 2**31  # B * N particles of one step
 MAX_STEPS = 2**31  # T: a loop in Python, one step at a time
-MAX_RECORDS = 2**28  # entries of each record allocated before the run (ESS [T, B], ancestors [T, B, N]): 2 GiB of int64
+# entries of each record allocated before the run (ESS [T, B], ancestors [T, B, N]): 8 GiB of
+# int64, room for a large GPU run; past it, record_ancestors=False keeps no [T, B, N] record
+MAX_RECORDS = 2**30
 TEMPERATURES = (1e-6, 1e6)  # tau: scores / tau stays finite in float32 for scores up to ~1e32
 
 
@@ -173,7 +175,7 @@ class SMC:
                 else "num_steps x batch_size (the ESS [T, B])"
             )
             fix = "; record_ancestors=False keeps no [T, B, N] record" if recorded else ""
-            raise ValueError(f"{what} = {entries} exceeds the limit {MAX_RECORDS} (2**28) entries{fix}")
+            raise ValueError(f"{what} = {entries} exceeds the limit {MAX_RECORDS} (2**30) entries{fix}")
 
     def _run(
         self, init: Callable, step: Callable, num_steps: int, batch_size: int, weighs_init: bool = False

@@ -39,7 +39,7 @@ def test_records_beyond_the_limit_are_refused_before_anything_is_allocated(
 
 def test_the_refusal_of_recorded_ancestors_names_the_way_out():
     with pytest.raises(ValueError, match="record_ancestors=False keeps no"):
-        inference.SMC(4).filter(lambda B: torch.zeros(B, 4), never_called, num_steps=2**26 + 1, batch_size=1)
+        inference.SMC(4).filter(lambda B: torch.zeros(B, 4), never_called, num_steps=MAX_RECORDS // 4 + 1, batch_size=1)
 
 
 def test_never_resampling_records_no_ancestors_and_is_limited_by_its_ess_record():
