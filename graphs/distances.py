@@ -41,7 +41,8 @@ def distance_groups(n: int, gamma: int, extra_nodes: int = 0, device=None, cuts=
     group ``2 * (gamma + 1)``; the diagonal (never an arc) gets group 0.
     """
     check_size("gamma", gamma, minimum=0)
-    if isinstance(extra_nodes, bool) or not isinstance(extra_nodes, int) or extra_nodes < 0:
+    symbolic = isinstance(extra_nodes, torch.SymInt)  # while tracing for export: checked at run time
+    if not symbolic and (isinstance(extra_nodes, bool) or not isinstance(extra_nodes, int) or extra_nodes < 0):
         raise ValueError(f"extra_nodes (virtual nodes) must be an integer >= 0, got {extra_nodes!r}")
     check_length(n, extra_nodes)  # an integer >= 1 whose [N, N] table stays within the limit
     pos = torch.arange(n, device=device)
