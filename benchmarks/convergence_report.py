@@ -88,6 +88,16 @@ def ppl(value: float, signed: bool = False) -> str:
     return f"{value:{sign}.1f}" if abs(value) < 1e6 else f"{value:{sign}.2e}"
 
 
+def trained_with(run: Path, arm: Arm) -> dict:
+    """The run's learning rate, batch size and warm-up as its run.json records them (what it
+    trains with), else the arm's rate before the run has started."""
+    path = run / "run.json"
+    if not path.is_file():
+        return {"lr": arm.learning_rate, "batch_size": None, "warmup_steps": None}
+    train = json.loads(path.read_text())["train"]
+    return {key: train[key] for key in ("lr", "batch_size", "warmup_steps")}
+
+
 def summarise(arm: Arm, seed: int) -> dict:
     run = arm.folder(seed)
     points = curve(run)
@@ -97,7 +107,7 @@ def summarise(arm: Arm, seed: int) -> dict:
         "config": arm.name,
         "model": arm.model,
         "seed": seed,
-        "lr": arm.learning_rate,
+        **trained_with(run, arm),
         "lr_from": "the one-epoch sweep" if arm.lr is None else "fixed",
         "curve": points,
         "epochs": len(points),
@@ -114,8 +124,8 @@ def mean_curve(rows: list[dict], config: str) -> list[float]:
     """The mean over seeds at each epoch every seed of ``config`` has reached, a diverged
     seed's curve cut before its divergence (a mean with 1e40 in it compares nothing)."""
     curves = [r["curve"][: r["diverged_at"] - 1] if r.get("diverged_at") else r["curve"] for r in rows]
-    curves = [c for r, c in zip(rows, curves) if r["config"] == config and c]
-    if not curves:
+    curves = [c for r, c in zip(rows, curves) if r["config"] == config]
+    if not curves or not all(curves):  # a seed without a curve yet: no mean over the seeds
         return []
     return [statistics.mean(c[e] for c in curves) for e in range(min(len(c) for c in curves))]
 
@@ -232,14 +242,22 @@ def plot(rows: list[dict]) -> None:
     plt.close(figure)
 
 
+def shared(rows: list[dict], key: str) -> str:
+    """The value every started run records for ``key``, or where they differ or none has started."""
+    values = sorted({r[key] for r in rows if r[key] is not None})
+    return f"{values[0]:g}" if len(values) == 1 else "per run" if values else "not started"
+
+
 def report(arms: list[Arm], seeds: int) -> str:
     rows = [summarise(arm, seed) for arm in arms for seed in range(seeds)]
     plot(rows)
     RESULTS.write_text(json.dumps({"command": COMMAND, "runs": rows}, indent=1))
     lines = [
-        f"Recipe: each config at its tuned lr, linear warm-up (100 steps) then linear decay to 0 at "
+        f"Recipe: each config at its tuned lr, linear warm-up ({shared(rows, 'warmup_steps')} steps) then "
+        "linear decay to 0 at "
         f"{MAX_EPOCHS} epochs, full-validation perplexity after every epoch, early stopping after "
-        f"{PATIENCE} epochs without a new best validation loss, batch 32, one thread per run. The "
+        f"{PATIENCE} epochs without a new best validation loss, batch {shared(rows, 'batch_size')}, one thread "
+        "per run. The "
         "learning rates are the one-epoch sweep's best (linear decay over one epoch there); over a "
         f"{MAX_EPOCHS}-epoch decay the best rate may differ, PT's (10x the baselines') most of all. "
         "An arm named `-lr<rate>` trains at that fixed rate instead (a sensitivity check of that choice). "

@@ -103,6 +103,20 @@ def test_the_mean_curve_stops_before_a_seed_diverged():
     assert mean_curve(rows, "pt-small") == [11.0, 7.0]
 
 
+def test_no_mean_over_seeds_while_a_seed_has_no_curve():
+    """A mean over the seeds that have curves would be one seed's curve under the mean's name."""
+    rows = [{"config": "pt-small", "curve": [10.0, 8.0]}, {"config": "pt-small", "curve": []}]
+    assert mean_curve(rows, "pt-small") == []
+
+
+def test_the_recipe_reads_what_every_run_records():
+    from benchmarks.convergence_report import shared
+
+    rows = [{"warmup_steps": 100, "batch_size": 32}, {"warmup_steps": None, "batch_size": None}]
+    assert (shared(rows, "warmup_steps"), shared(rows, "batch_size")) == ("100", "32")
+    assert shared([{"lr": 0.01}, {"lr": 0.03}], "lr") == "per run" and shared(rows[1:], "batch_size") == "not started"
+
+
 def test_the_mean_curve_stops_at_the_shortest_seed():
     rows = [
         {"config": "pt-small", "curve": [10.0, 8.0, 7.0]},
