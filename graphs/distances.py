@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from graphs.limits import LIMITS, check_length, check_size
+from graphs.limits import LIMITS, check_length, check_size, is_integer
 
 __all__ = ["distance_cuts", "distance_groups"]
 
@@ -40,9 +40,10 @@ def distance_groups(n: int, gamma: int, extra_nodes: int = 0, device=None, cuts=
     distance up to gamma its own bucket). Arcs touching one of the ``m`` virtual nodes get
     group ``2 * (gamma + 1)``; the diagonal (never an arc) gets group 0.
     """
+    n, gamma, extra_nodes = (int(v) if is_integer(v) else v for v in (n, gamma, extra_nodes))  # numpy's too
     check_size("gamma", gamma, minimum=0)
-    symbolic = isinstance(extra_nodes, torch.SymInt)  # while tracing for export: checked at run time
-    if not symbolic and (isinstance(extra_nodes, bool) or not isinstance(extra_nodes, int) or extra_nodes < 0):
+    symbolic = isinstance(extra_nodes, torch.SymInt)  # while tracing for export: its value is not known yet
+    if not symbolic and (not isinstance(extra_nodes, int) or isinstance(extra_nodes, bool) or extra_nodes < 0):
         raise ValueError(f"extra_nodes (virtual nodes) must be an integer >= 0, got {extra_nodes!r}")
     check_length(n, extra_nodes)  # an integer >= 1 whose [N, N] table stays within the limit
     pos = torch.arange(n, device=device)

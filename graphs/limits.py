@@ -10,10 +10,15 @@ nodes are already 4 GiB.
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 __all__ = [
+    "is_integer",
+    "is_real",
+    "is_switch",
     "LIMITS",
     "MAX_PARAMETERS",
     "MAX_EMBEDDING_SIZE",
@@ -88,3 +93,18 @@ def check_positive(name: str, value, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
         raise ValueError(f"{name} must be an integer >= 1 and <= {maximum} (the limit), got {value!r}")
     return value
+
+
+def is_integer(value) -> bool:
+    """A Python or numpy integer; never a bool (True would read as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+
+
+def is_real(value) -> bool:
+    """A Python or numpy real number; never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
+def is_switch(value) -> bool:
+    """A Python or numpy bool: anything else read by bool() would turn "false" into True."""
+    return isinstance(value, bool | np.bool_)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+import graphs.limits
+
 __all__ = ["MessageWeights", "MupScales", "labels_and_heads"]
 
 
@@ -99,7 +101,7 @@ class MupScales:
 
 def _positive(name: str, value, zero: bool = False) -> None:
     """A finite real number > 0 (>= 0 with ``zero``), not a bool or text."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not graphs.limits.is_real(value):  # numpy's numbers too; never a bool
         raise TypeError(f"{name} must be a real number (an int or float), got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or not (value >= 0 if zero else value > 0):
         raise ValueError(f"{name} must be a finite number {'>=' if zero else '>'} 0, got {value!r}")

@@ -154,7 +154,7 @@ def _check_iterations_schedule_kernel_dropout(iterations, schedule, kernel, drop
 def _check_flags(**flags) -> None:
     """Switches are bools: bool() would read "false" or "no" as True."""
     for name, value in flags.items():
-        if not isinstance(value, bool):
+        if not graphs.limits.is_switch(value):
             raise TypeError(f"{name} must be True or False (a bool), got {type(value).__name__} {value!r}")
 
 
@@ -165,7 +165,7 @@ def _check_halting(halting, halting_source, act_epsilon, exit_threshold, schedul
             f"got {halting!r}, {halting_source!r}"
         )
     for name, value in (("act_epsilon", act_epsilon), ("exit_threshold", exit_threshold)):
-        if isinstance(value, bool) or not isinstance(value, int | float):  # True would read as 1
+        if not graphs.limits.is_real(value):  # numpy's numbers too; True would read as 1
             raise TypeError(f"{name} must be a real number (an int or float), got {type(value).__name__} {value!r}")
     if not 0 < act_epsilon < 1 or not 0 < exit_threshold <= 1:
         raise ValueError(

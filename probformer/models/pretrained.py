@@ -351,8 +351,10 @@ def from_pretrained(
 def _device(map_location) -> torch.device:
     """``map_location`` as a device this machine has, checked before any file is read (the
     model's ``.to`` failed with torch's words after the whole folder was)."""
-    allowed = "a device name ('cpu', 'cuda', 'cuda:1') or a torch.device"
-    if not isinstance(map_location, str | torch.device):
+    allowed = "None (the CPU), a device name ('cpu', 'cuda', 'cuda:1'), a CUDA device number or a torch.device"
+    if map_location is None:  # as torch.load: where the files were read, the CPU
+        return torch.device("cpu")
+    if isinstance(map_location, bool) or not isinstance(map_location, str | int | torch.device):
         raise TypeError(f"map_location must be {allowed}, got {type(map_location).__name__} {map_location!r}")
     try:
         device = torch.device(map_location)

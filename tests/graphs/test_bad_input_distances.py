@@ -56,3 +56,14 @@ def test_good_arguments_give_the_table_with_groups_in_range(n, gamma, extra):
     groups = graphs.distance_groups(n, gamma, extra)
     assert groups.shape == (n + extra, n + extra)
     assert groups.min() >= 0 and groups.max() <= 2 * (gamma + 1)
+
+
+def test_numpy_integers_are_integers():
+    """A size computed with numpy (np.int64) is an integer, as before the checks: the same table."""
+    import numpy as np
+    import torch
+
+    expected = graphs.distance_groups(5, 2, extra_nodes=1)
+    assert torch.equal(graphs.distance_groups(np.int64(5), np.int32(2), extra_nodes=np.int64(1)), expected)
+    with pytest.raises((TypeError, ValueError), match="gamma"):
+        graphs.distance_groups(5, np.bool_(True))

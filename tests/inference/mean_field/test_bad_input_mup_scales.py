@@ -64,3 +64,11 @@ def test_the_engine_refuses_mup_scales_that_are_not_a_mupscales(value):
 def test_fractional_base_widths_still_give_scales():
     scales = MupScales.at(4, 2, 0).relative_to(MupScales.at(0.5, 0.25, 0.125))
     assert scales.temperature == 1.0 and scales.ternary_message == 8.0
+
+
+def test_numpy_numbers_are_real_numbers_and_numpy_bools_are_not():
+    import numpy as np
+
+    assert inference.MupScales.at(np.int64(8), np.float32(2.0)) == inference.MupScales.at(8, 2.0)
+    with pytest.raises(TypeError, match="labels must be a real number"):
+        inference.MupScales.at(np.bool_(True), 2)

@@ -59,3 +59,13 @@ def test_an_engine_on_something_other_than_a_crf_is_refused_by_name(crf):
     """It failed with an AttributeError (``'int' object has no attribute 'labels'``)."""
     with pytest.raises(TypeError, match="crf must be a graphs.CRF, got"):
         inference.MeanField(crf)
+
+
+def test_numpy_switches_and_numbers_are_taken():
+    import numpy as np
+
+    crf = graphs.CRF(vocab_size=10, labels=4, channels=1, rank=2)
+    engine = inference.MeanField(crf, halting="exit", exit_threshold=np.float32(0.5), mup=np.bool_(True))
+    assert engine.mup and engine.exit_threshold == 0.5
+    with pytest.raises(TypeError, match="exit_threshold must be a real number"):
+        inference.MeanField(crf, halting="exit", exit_threshold=np.bool_(True))

@@ -21,11 +21,13 @@ def folder(tmp_path_factory):
 @pytest.mark.parametrize(
     ("map_location", "error", "words"),
     [
-        ("bogus", ValueError, r"map_location must be a device name \('cpu', 'cuda', 'cuda:1'\) or a torch.device"),
-        ("cpu:x", ValueError, "map_location must be a device name"),
-        (5, TypeError, "map_location must be a device name .* got int 5"),
-        (None, TypeError, "map_location must be a device name"),
+        ("bogus", ValueError, r"map_location must be None \(the CPU\), a device name \('cpu', 'cuda', 'cuda:1'\)"),
+        ("cpu:x", ValueError, "map_location must be None"),
+        (True, TypeError, "map_location must be None .* got bool True"),
+        (2.5, TypeError, "map_location must be None .* got float 2.5"),
         ("cuda:99", ValueError, "map_location 'cuda:99': this machine has"),
+        # a CUDA device number, as torch.device(99) reads it: none such here (or no accelerator at all)
+        (99, ValueError, "map_location (99: this machine has|must be None)"),
     ],
 )
 def test_a_map_location_this_machine_has_not_is_refused_by_name(folder, map_location, error, words):
@@ -41,7 +43,7 @@ def test_local_files_only_that_is_not_a_bool_is_refused_by_name(folder, value):
         probformer.from_pretrained(folder, local_files_only=value)
 
 
-@pytest.mark.parametrize("map_location", ["cpu", torch.device("cpu")])
+@pytest.mark.parametrize("map_location", ["cpu", torch.device("cpu"), None])  # None: where it was read, as torch.load
 def test_a_device_of_this_machine_loads(folder, map_location):
     model = probformer.from_pretrained(folder, map_location=map_location)
     assert next(model.parameters()).device == torch.device("cpu")
