@@ -25,10 +25,10 @@ number). Runs advance in turns of --slice epochs, the run with the fewest epochs
 so a partial study has every curve at about the same length; a turn ends right after an
 epoch's checkpoint is written. The worker processes share one process group, whose id
 (negated, for ``kill -STOP``/``kill -CONT``) is in runs/convergence/worker.pid while they
-run. CPU seconds of every turn are added to the run's cpu_seconds.json when it ends; while
-it runs, what it has used so far is in the run's cpu_seconds_in_flight.json (read from /proc
-at every poll), so a turn killed with its worker (the end of a session) is counted up to its
-last poll: the next start adds it to cpu_seconds.json.
+run. A run's cpu_seconds.json holds the CPU seconds of its ended turns (each exact, from the
+reaped process) and, as ``in_flight``, what its running turn has used so far (read from
+/proc at every poll): a turn killed with its worker (the end of a session) is counted up to
+its last poll, which the next start adds to the total.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ ROOT = Path("runs/convergence")
 SWEEP = Path("docs/benchmarks/ptb_lr_sweep.json")
 PLOT = Path("docs/benchmarks/convergence.png")
 RESULTS = Path("docs/benchmarks/convergence.json")
-IN_FLIGHT = "cpu_seconds_in_flight.json"  # a running turn's CPU seconds so far
+CPU_SECONDS = "cpu_seconds.json"  # per run: the ended turns' CPU seconds and the running one's so far
 
 
 def tuned_lr(config: str) -> float:
@@ -167,10 +167,26 @@ def epochs_done(run: Path) -> int:
     return len(epoch_validations(run))
 
 
+def read_cpu_seconds(run: Path) -> tuple[float, float]:
+    """``(ended turns' CPU seconds, the running turn's so far)`` from the run's cpu_seconds.json."""
+    path = run / CPU_SECONDS
+    if not path.is_file():
+        return 0.0, 0.0
+    record = json.loads(path.read_text())
+    return record["cpu_seconds"], record.get("in_flight", 0.0)
+
+
+def _write_cpu_seconds(run: Path, total: float, in_flight: float) -> None:
+    """One file, replaced whole: a kill or a reader never sees half of it, nor a figure in two places."""
+    temporary = run / (CPU_SECONDS + ".tmp")
+    temporary.write_text(json.dumps({"cpu_seconds": total, "in_flight": in_flight}))
+    os.replace(temporary, run / CPU_SECONDS)
+
+
 def add_cpu_seconds(run: Path, seconds: float) -> None:
-    path = run / "cpu_seconds.json"
-    total = json.loads(path.read_text())["cpu_seconds"] if path.is_file() else 0.0
-    path.write_text(json.dumps({"cpu_seconds": total + seconds}))
+    """An ended turn's exact CPU seconds; its in-flight figure, now counted, is cleared."""
+    total, _ = read_cpu_seconds(run)
+    _write_cpu_seconds(run, total + seconds, 0.0)
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -184,19 +200,16 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 def record_in_flight(run: Path, seconds: float | None) -> None:
-    """What a running turn has used so far (written whole: a kill leaves the last complete one)."""
+    """What the running turn has used so far."""
     if seconds is not None:
-        temporary = run / (IN_FLIGHT + ".tmp")
-        temporary.write_text(json.dumps({"cpu_seconds": seconds}))
-        os.replace(temporary, run / IN_FLIGHT)
+        _write_cpu_seconds(run, read_cpu_seconds(run)[0], seconds)
 
 
 def settle_in_flight(run: Path) -> None:
-    """A turn killed with its worker left its CPU seconds so far: add them to the total."""
-    path = run / IN_FLIGHT
-    if path.is_file():
-        add_cpu_seconds(run, json.loads(path.read_text())["cpu_seconds"])
-        path.unlink()
+    """A turn killed with its worker left its CPU seconds up to its last poll: into the total."""
+    total, in_flight = read_cpu_seconds(run)
+    if in_flight:
+        _write_cpu_seconds(run, total + in_flight, 0.0)
 
 
 class Turn:
@@ -208,7 +221,8 @@ class Turn:
         self.until = epochs_done(self.run) + slice_epochs
         self.per_epoch = per_epoch
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        self.log = open(self.run.parent / f"{self.run.name}.log", "a")  # noqa: SIM115 (closed in wait)
+        self.log = open(self.run.parent / f"{self.run.name}.log", "a")  # noqa: SIM115 (closed when reaped)
+        self.reaped = False
         self.process = subprocess.Popen(
             command(arm.config, seed, per_epoch, self.run, arm.lr),
             env=environment,
@@ -231,25 +245,28 @@ class Turn:
             if not self.at_epoch_checkpoint():
                 record_in_flight(self.run, process_cpu_seconds(self.process.pid))
                 return False
-            self.process.send_signal(signal.SIGKILL)  # its checkpoint is complete: nothing is lost
+            os.kill(self.process.pid, signal.SIGKILL)  # its checkpoint is complete: nothing is lost
             _, status, usage = os.wait4(self.process.pid, 0)
-        self.process.returncode = code = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-        self.count(usage)
+        self.reaped = True  # by os.wait4 here, never by Popen (which would lose its usage)
+        self.process.returncode = code = os.waitstatus_to_exitcode(status)
+        add_cpu_seconds(self.run, usage.ru_utime + usage.ru_stime)
+        self.log.close()
         if code not in (0, -signal.SIGKILL):
             raise SystemExit(f"{self.run.name} failed (exit code {code}); see {self.log.name}")
         return True
 
-    def count(self, usage) -> None:
-        """The ended turn's CPU seconds into the run's total (exact: the reaped process's usage)."""
-        add_cpu_seconds(self.run, usage.ru_utime + usage.ru_stime)
-        (self.run / IN_FLIGHT).unlink(missing_ok=True)
-        self.log.close()
-
     def stop(self) -> None:
-        """Kill the turn (the study stops) and count what it used."""
-        self.process.kill()
-        _, _, usage = os.wait4(self.process.pid, 0)
-        self.count(usage)
+        """Kill a turn the study leaves (it stops), and count what it used."""
+        if self.reaped:
+            return
+        try:
+            os.kill(self.process.pid, signal.SIGKILL)
+            _, _, usage = os.wait4(self.process.pid, 0)
+            add_cpu_seconds(self.run, usage.ru_utime + usage.ru_stime)
+        except (ProcessLookupError, ChildProcessError):  # reaped elsewhere: counted up to its last poll
+            settle_in_flight(self.run)
+        self.reaped = True
+        self.log.close()
 
 
 def study(seeds: int, workers: int, slice_epochs: int, arms: list[Arm]) -> None:
@@ -271,7 +288,9 @@ def study(seeds: int, workers: int, slice_epochs: int, arms: list[Arm]) -> None:
             if not running:
                 break
             time.sleep(5)
-            running = [turn for turn in running if not turn.poll()]
+            for turn in list(running):  # a failure raises with the turns before it reaped and marked
+                if turn.poll():
+                    running.remove(turn)
     finally:
         for turn in running:
             turn.stop()

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from benchmarks.convergence import (
     ARMS,
-    IN_FLIGHT,
     MAX_EPOCHS,
     PATIENCE,
     PLOT,
@@ -25,6 +24,7 @@ from benchmarks.convergence import (
     epoch_validations,
     finished,
     parse_arms,
+    read_cpu_seconds,
     records,
 )
 
@@ -48,11 +48,7 @@ def tokens_per_second(run: Path) -> float | None:
 
 
 def cpu_hours(run: Path) -> float:
-    seconds = 0.0
-    for name in ("cpu_seconds.json", IN_FLIGHT):  # the ended turns, and the one running now
-        path = run / name
-        seconds += json.loads(path.read_text())["cpu_seconds"] if path.is_file() else 0.0
-    return seconds / 3600
+    return sum(read_cpu_seconds(run)) / 3600  # the ended turns, and the one running now
 
 
 def status(run: Path, summary: dict | None) -> str:

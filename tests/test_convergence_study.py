@@ -267,7 +267,7 @@ def test_a_live_process_cpu_seconds_are_read_from_proc():
 
 
 def test_a_turn_killed_with_its_worker_is_counted_up_to_its_last_poll(tmp_path):
-    from benchmarks.convergence import IN_FLIGHT, add_cpu_seconds, record_in_flight, settle_in_flight
+    from benchmarks.convergence import add_cpu_seconds, read_cpu_seconds, record_in_flight, settle_in_flight
     from benchmarks.convergence_report import cpu_hours
 
     run = tmp_path / "run"
@@ -275,31 +275,76 @@ def test_a_turn_killed_with_its_worker_is_counted_up_to_its_last_poll(tmp_path):
     add_cpu_seconds(run, 3600.0)  # ended turns
     record_in_flight(run, 600.0)
     record_in_flight(run, 1800.0)  # the last poll before the kill
-    assert cpu_hours(run) == 1.5  # the report counts the running turn too
+    assert read_cpu_seconds(run) == (3600.0, 1800.0) and cpu_hours(run) == 1.5  # the report counts it too
     settle_in_flight(run)  # the next start
-    assert not (run / IN_FLIGHT).exists() and cpu_hours(run) == 1.5
+    assert read_cpu_seconds(run) == (5400.0, 0.0)
     settle_in_flight(run)  # nothing left to settle: counted once
-    assert cpu_hours(run) == 1.5 and sorted(p.name for p in run.iterdir()) == ["cpu_seconds.json"]
+    add_cpu_seconds(run, 7.0)  # an ended turn replaces its own in-flight figure
+    assert read_cpu_seconds(run) == (5407.0, 0.0) and sorted(p.name for p in run.iterdir()) == ["cpu_seconds.json"]
+
+
+def busy_turn(run, code: str, turn_class=None):
+    """A Turn around ``python -c code``, not a training run: no trainer needed."""
+    import subprocess
+    import sys
+
+    from benchmarks.convergence import Turn
+
+    turn = object.__new__(turn_class or Turn)
+    run.mkdir(parents=True, exist_ok=True)
+    turn.run, turn.until, turn.per_epoch, turn.reaped = run, 1, 10, False
+    turn.log = open(run.parent / f"{run.name}.log", "a")  # noqa: SIM115 (closed when reaped)
+    turn.process = subprocess.Popen([sys.executable, "-c", code])
+    return turn
 
 
 def test_a_turn_records_its_cpu_while_it_runs_and_exactly_when_stopped(tmp_path):
-    """A Turn around a process that burns CPU: a poll writes its seconds so far; stopping it
-    (the study's end on another run's failure) adds its reaped usage and drops the in-flight file."""
-    import subprocess
-    import sys
     import time
 
-    from benchmarks.convergence import IN_FLIGHT, Turn
-    from benchmarks.convergence_report import cpu_hours
+    from benchmarks.convergence import read_cpu_seconds
 
-    turn = object.__new__(Turn)  # the process, not a training run: no trainer needed
-    turn.run, turn.until, turn.per_epoch = tmp_path, 1, 10
-    turn.log = open(tmp_path / "turn.log", "a")  # noqa: SIM115 (closed by count)
-    turn.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    turn = busy_turn(tmp_path / "run", "while True: pass")
     time.sleep(0.5)
     assert turn.poll() is False
-    so_far = json.loads((tmp_path / IN_FLIGHT).read_text())["cpu_seconds"]
+    _, so_far = read_cpu_seconds(turn.run)
     assert so_far > 0
     turn.stop()
-    assert not (tmp_path / IN_FLIGHT).exists() and turn.log.closed
-    assert cpu_hours(tmp_path) * 3600 >= so_far
+    total, in_flight = read_cpu_seconds(turn.run)
+    assert in_flight == 0 and total >= so_far and turn.log.closed
+    turn.stop()  # a second stop (the study's finally after the turn was reaped) does nothing
+    assert read_cpu_seconds(turn.run) == (total, 0)
+
+
+def test_a_failed_turn_stops_the_study_naming_it_and_every_other_turn_is_killed_and_counted(tmp_path, monkeypatch):
+    """The failure is the error the study ends with; the turn beside it does not train on as an
+    orphan; both are counted and worker.pid is removed."""
+    import os
+    import time
+
+    from benchmarks import convergence
+
+    codes = {"fails": "import time, sys; time.sleep(0.3); sys.exit(3)", "busy": "while True: pass"}
+    started, real_turn = [], convergence.Turn
+
+    class Arm:
+        def __init__(self, name):
+            self.name, self.config = name, "unused"
+
+        def folder(self, seed):
+            return tmp_path / f"{self.name}-s{seed}"
+
+    def turn(arm, seed, per_epoch, slice_epochs):
+        started.append(busy_turn(arm.folder(seed), codes[arm.name], real_turn))
+        return started[-1]
+
+    monkeypatch.setattr(convergence, "ROOT", tmp_path)
+    monkeypatch.setattr(convergence, "Turn", turn)
+    monkeypatch.setattr(convergence, "steps_per_epoch", lambda config: 10)
+    pause = time.sleep
+    monkeypatch.setattr(convergence.time, "sleep", lambda seconds: pause(0.05))  # polls every 5 s: faster here
+    with pytest.raises(SystemExit, match=r"fails-s0 failed \(exit code 3\)"):
+        convergence.study(1, 2, 1, [Arm("fails"), Arm("busy")])
+    busy = next(t for t in started if t.run.name == "busy-s0")
+    assert busy.reaped and not os.path.exists(f"/proc/{busy.process.pid}")
+    assert all(convergence.read_cpu_seconds(t.run)[0] > 0 for t in started)
+    assert not (tmp_path / "worker.pid").exists()
