@@ -175,12 +175,13 @@ def seed_by_seed(rows: list[dict], pt: str, baseline: str) -> str:
 
 
 def divergence_note(rows: list[dict], config: str) -> str:
-    """Why the mean over seeds of ``config`` may end before its seeds do: a seed that diverged."""
+    """Why the mean over seeds of ``config`` may end before its seeds do: a seed that diverged
+    (it may end earlier still, where another seed is shorter)."""
     cut = sorted((r["diverged_at"], r["seed"]) for r in rows if r["config"] == config and r.get("diverged_at"))
     if not cut:
         return ""
     epoch, seed = cut[0]
-    return f"; it ends at epoch {epoch - 1}: s{seed} diverged at epoch {epoch}"
+    return f"; s{seed} diverged at epoch {epoch}: the mean stops before it"
 
 
 def against_the_paper(pt: list[float], bert: list[float], name: str = "PT") -> str:

@@ -91,7 +91,7 @@ def test_a_mean_cut_by_a_diverged_seed_says_so():
         {"config": "pt", "seed": 1, "diverged_at": None},
         {"config": "bert", "seed": 0, "diverged_at": 2},
     ]
-    assert divergence_note(rows, "pt") == "; it ends at epoch 12: s0 diverged at epoch 13"
+    assert divergence_note(rows, "pt") == "; s0 diverged at epoch 13: the mean stops before it"
     assert divergence_note(rows[1:2], "pt") == ""
 
 
