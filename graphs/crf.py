@@ -46,7 +46,7 @@ import math
 import torch
 from torch import nn
 
-from graphs import ternary
+from graphs import crf_checks, ternary
 from graphs import topology as topologies
 from graphs.crf_model import ModelScope, write_model
 from graphs.device_checks import refuse_unless
@@ -173,7 +173,7 @@ class CRF(nn.Module):
 
     def memory_scores(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Product-key sub-scores ``([..., s], [..., s])`` of label-space queries ``[..., d]``."""
-        half = self.labels // 2
+        query, half = crf_checks.product_key_query(self, query), self.labels // 2
         return query[..., :half] @ self.memory_keys_first.T, query[..., half:] @ self.memory_keys_second.T
 
     def ternary_parameter_count(self) -> int:
@@ -202,7 +202,7 @@ class CRF(nn.Module):
 
     def node_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """``[B, N]``: real tokens, then the virtual nodes (present in every row)."""
-        virtual = mask.new_ones(mask.shape[0], self.topology.extra_nodes)
+        virtual = crf_checks.checked_mask(mask).new_ones(mask.shape[0], self.topology.extra_nodes)
         return torch.cat([mask, virtual], dim=1)
 
     def arc_mask(self, mask: torch.Tensor) -> torch.Tensor:
@@ -211,7 +211,7 @@ class CRF(nn.Module):
 
     def unary_table(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``[B, N, d]`` unary log-potentials; 0 for padding and virtual nodes."""
-        self._check_reads("token ids")
+        tokens, mask = crf_checks.table_tokens(self, tokens, mask)
         scores = self.unary[tokens] * mask[..., None]
         virtual = scores.new_zeros(tokens.shape[0], self.topology.extra_nodes, self.labels)
         return torch.cat([scores, virtual], dim=1)
@@ -220,21 +220,12 @@ class CRF(nn.Module):
         """``[B, N, d]`` unary log-potentials ``x @ unary`` of embeddings ``x [B, n, D]``
         (``embedding_size=D``); 0 for padding and virtual nodes. One-hot embeddings give
         exactly the rows a token-id CRF with the same table reads."""
-        self._check_reads("embeddings")
+        embeddings, mask = crf_checks.table_embeddings(self, embeddings, mask)
         scores = (embeddings @ self.unary) * mask[..., None]
         virtual = scores.new_zeros(embeddings.shape[0], self.topology.extra_nodes, self.labels)
         return torch.cat([scores, virtual], dim=1)
 
     # ---- validation --------------------------------------------------------------
-
-    def _check_reads(self, source: str) -> None:
-        reads = "token ids" if self.embedding_size is None else "embeddings"
-        if source != reads:
-            fix = "embeddings=x [B, n, D] (MeanField, Exact)" if reads == "embeddings" else "token ids"
-            raise ValueError(
-                f"this CRF reads {reads} (vocab_size={self.vocab_size}, embedding_size={self.embedding_size}), "
-                f"not {source}: pass {fix}"
-            )
 
     def check_any(self, tokens=None, mask=None, embeddings=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, mask)``: token ids checked by ``check_inputs``, or (``embeddings=``, for a
@@ -253,13 +244,13 @@ class CRF(nn.Module):
         """Validate embeddings ``[B, n, D]`` (floating, finite at real tokens once in the CRF's
         dtype) and their mask; returns ``(x, mask)`` with x in the CRF's dtype, which every
         engine's Posterior keeps (``graphs.inputs.check_embeddings``)."""
-        self._check_reads("embeddings")
+        crf_checks.check_reads(self, "embeddings")
         return check_embeddings(embeddings, mask, self.embedding_size, dtype=self.unary.dtype, device=self.unary.device)
 
     def check_inputs(self, tokens, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate a batch; returns ``(tokens [B, n] long, mask [B, n] bool)``
         (``graphs.inputs.check_tokens``)."""
-        self._check_reads("token ids")
+        crf_checks.check_reads(self, "token ids")
         return check_tokens(tokens, mask, self.vocab_size, self.unary.device)
 
     def check_factor_graph(self) -> None:

@@ -58,13 +58,17 @@ def check_device(name: str, value: torch.Tensor, device: torch.device | None, wh
         )
 
 
-def check_tokens(tokens, mask, vocab_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def check_tokens(
+    tokens, mask, vocab_size: int, device=None, empty_rows: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [B, n] long, mask [B, n] bool)`` of token ids in ``[0, vocab_size)`` on
-    ``device`` when given; padded positions (mask False) may hold any id and read as 0."""
+    ``device`` when given; padded positions (mask False) may hold any id and read as 0.
+    ``empty_rows``: a row of padding only is allowed (a table of it is zeros)."""
     mask = check_token_types(tokens, mask, device)
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # value checks: eager only
         return tokens.long().masked_fill(~mask, 0), mask
-    refuse_empty_rows(mask)
+    if not empty_rows:
+        refuse_empty_rows(mask)
     legal = ((tokens >= 0) & (tokens < vocab_size)) | ~mask
     refuse_unless(
         legal.all(),
@@ -76,13 +80,19 @@ def check_tokens(tokens, mask, vocab_size: int, device=None) -> tuple[torch.Tens
 
 
 def check_embeddings(
-    embeddings, mask, embedding_size: int, name: str = "embeddings", dtype: torch.dtype | None = None, device=None
+    embeddings,
+    mask,
+    embedding_size: int,
+    name: str = "embeddings",
+    dtype: torch.dtype | None = None,
+    device=None,
+    empty_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x [B, n, D], mask [B, n] bool)`` of floating, finite embeddings, D = ``embedding_size``;
     padded positions read as 0 (and may hold anything, NaN included). ``name``: the
     argument's name in messages (a layer calls its input ``hidden``). ``dtype``: cast x to it
     (a CRF's dtype); a finite value too large for it is refused as an overflow. ``device``: the
-    model's, where x and its mask must be."""
+    model's, where x and its mask must be. ``empty_rows``: a row of padding only is allowed."""
     if not isinstance(embeddings, torch.Tensor) or not embeddings.dtype.is_floating_point:
         found = getattr(embeddings, "dtype", type(embeddings).__name__)
         raise TypeError(f"{name} must be a floating torch.Tensor [B, n, D], got {found}")
@@ -104,7 +114,8 @@ def check_embeddings(
     given = embeddings
     embeddings = embeddings if dtype is None else embeddings.to(dtype)
     if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
-        refuse_empty_rows(mask)
+        if not empty_rows:
+            refuse_empty_rows(mask)
         # after the cast (a finite float64 1e39 is inf in float32): NaN at a real token poisons its row
         refuse_non_finite(name, embeddings, where=mask, given=given)
     return embeddings.masked_fill(~mask[..., None], 0.0), mask
