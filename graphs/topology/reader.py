@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import re
 from collections.abc import Callable, Collection
 
@@ -122,6 +123,8 @@ def arcs_of_mask(mask) -> tuple[list, int]:
         raise ValueError(f"a topology mask must be a bool tensor [n_max, n_max], got {getattr(mask, 'shape', mask)!r}")
     if mask.shape[0] != mask.shape[1] or mask.shape[0] < 1:
         raise ValueError(f"a topology mask must be square [n_max, n_max] with n_max >= 1, got {tuple(mask.shape)}")
+    if mask.is_meta:
+        raise ValueError("a topology mask must hold values: a mask on the 'meta' device has none (build it on cpu)")
     return mask.detach().cpu().nonzero().tolist(), mask.shape[0]
 
 
@@ -131,7 +134,9 @@ def arcs_of_graph(graph) -> tuple[list, int]:
     if not (hasattr(graph, "nodes") and hasattr(graph, "edges") and getattr(graph, "is_directed", lambda: False)()):
         raise ValueError(f"a topology graph must be a networkx.DiGraph, got {type(graph).__name__}")
     nodes = list(graph.nodes)
-    if not nodes or sorted(nodes, key=repr) != sorted(range(len(nodes)), key=repr):
+    # True == 1 and 1.0 == 1: a bool or a float would pass a comparison with the positions
+    positions = all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in nodes)
+    if not nodes or not positions or sorted(int(i) for i in nodes) != list(range(len(nodes))):
         shown = sorted(nodes, key=repr)[:8]
         raise ValueError(f"a topology graph's nodes must be the positions 0..n_max-1 (integers), got {shown}")
     # edges(): (i, j) pairs in a MultiDiGraph too (its edge view yields keys); a repeated edge is one arc
