@@ -28,7 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Folded", "FoldState", "segment_stream"]
+from graphs.inputs import check_tokens
+from inference.mean_field.engine import MeanField
+
+__all__ = ["Folded", "FoldState", "segment_stream", "check_state", "check_segment"]
 
 
 def segment_stream(chunks: Iterable, length: int, state, check_ids) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -66,6 +69,25 @@ def segment_stream(chunks: Iterable, length: int, state, check_ids) -> Iterator[
         state.pending_yielded = pending.shape[1]
 
 
+def check_state(state, kind: type, fresh: bool = True):
+    """``state``, a ``kind`` (a stream's state); None gives a fresh one where ``fresh``."""
+    if state is None and fresh:
+        return kind()
+    if not isinstance(state, kind):
+        allowed = " or None (a fresh stream)" if fresh else f" ({kind.__name__}() for a fresh stream)"
+        raise TypeError(f"state must be a {kind.__name__}{allowed}, got {type(state).__name__}")
+    return state
+
+
+def check_segment(tokens, mask, yielded, vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [B, m] long, mask [B, m] bool)`` of one segment's ids (mask None: all real;
+    a row may be all padding) as ``graphs.inputs.check_tokens``; ``yielded`` an integer in [0, m]."""
+    tokens, mask = check_tokens(tokens, mask, vocab_size, device, empty_rows=True)
+    if isinstance(yielded, bool) or not isinstance(yielded, int) or not 0 <= yielded <= tokens.shape[1]:
+        raise ValueError(f"yielded must be an integer in [0, {tokens.shape[1]}] (segment tokens), got {yielded!r}")
+    return tokens, mask
+
+
 @dataclass
 class FoldState:
     """All a stream keeps between chunks; no tensor here has an axis longer than l."""
@@ -86,6 +108,8 @@ class Folded:
     ``graphs.topology.segments(l)`` (optionally ``causal=True``)."""
 
     def __init__(self, mean_field):
+        if not isinstance(mean_field, MeanField):
+            raise TypeError(f"Folded needs an inference.MeanField, got {type(mean_field).__name__}")
         length = mean_field.crf.topology.segment_length
         if length is None:
             raise ValueError(
@@ -137,7 +161,7 @@ class Folded:
         on a partial segment keeps it, and the call that completes it yields the whole
         segment again (a mean-field segment's earlier labels change when later tokens join
         it: the new piece replaces the provisional one)."""
-        state = FoldState() if state is None else state
+        state = check_state(state, FoldState)
         check_ids = self.mean_field.crf.check_inputs
         for tokens, mask, yielded in segment_stream(chunks, self.length, state, lambda ids: check_ids(ids)[0]):
             yield self.push_segment(tokens, mask, state, yielded)
@@ -147,6 +171,8 @@ class Folded:
         first ``yielded`` positions, returned before for a partial segment, are returned
         again but not counted again in ``state.position``."""
         mf = self.mean_field
+        state = check_state(state, FoldState, fresh=False)
+        tokens, mask = check_segment(tokens, mask, yielded, mf.crf.vocab_size, mf.crf.unary.device)
         B, m = tokens.shape
         if m > self.length:
             raise ValueError(f"a segment has at most l={self.length} tokens, got {m}")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphs.device_checks import refuse_non_finite_parameters, refuse_unless
-from inference.mean_field.folding import segment_stream
+from inference.mean_field.folding import check_segment, check_state, segment_stream
 from probformer.models.blocks import Block, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 from probformer.models.pretrained import PretrainedMixin
@@ -179,7 +179,7 @@ class FoldedContext(nn.Module, PretrainedMixin):
         yields only its new positions)."""
         if not self.config.folded:
             raise ValueError("stream needs the folded model (config key 'folded' = true)")
-        state = FoldedStreamState() if state is None else state
+        state = check_state(state, FoldedStreamState)
         vocab_size, device = self.config.vocab_size, self.embedding.weight.device
         segments = segment_stream(
             chunks, self.config.segment, state, lambda ids: check_token_inputs(ids, None, vocab_size, device=device)[0]
@@ -190,7 +190,8 @@ class FoldedContext(nn.Module, PretrainedMixin):
     def push_segment(self, tokens, mask, state: FoldedStreamState, yielded: int = 0) -> torch.Tensor:
         """One segment (at most l tokens) against the memory in ``state``; updates it. Its
         first ``yielded`` positions (already returned for a partial segment) are left out."""
-        l = self.config.segment
+        l, state = self.config.segment, check_state(state, FoldedStreamState, fresh=False)
+        tokens, mask = check_segment(tokens, mask, yielded, self.config.vocab_size, self.embedding.weight.device)
         if tokens.shape[1] > l:
             raise ValueError(f"a segment has at most segment={l} tokens, got {tokens.shape[1]}")
         if state.memory is not None and tokens.shape[0] != state.memory.shape[0]:
