@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 
@@ -35,10 +36,33 @@ __all__ = ["PARADIGMS", "GROUPS", "base_shape", "engine_scales", "widen", "initi
 
 PARADIGMS = ("channels", "rank")
 GROUPS = ("input", "hidden", "output")
+_CONFIG_KEYS = ("labels", "channels", "rank", "global_labels", "mup_base_width", "mup_paradigm")
+
+
+def _checked_config(config):
+    """A Probabilistic Transformer's config (``PTConfig``): what every function of a config reads."""
+    missing = [key for key in _CONFIG_KEYS if not hasattr(config, key)]
+    if missing:
+        hint = " (pass model.config)" if isinstance(config, torch.nn.Module) else ""
+        raise TypeError(
+            f"config must be a PTConfig (with {', '.join(_CONFIG_KEYS)}), got {type(config).__name__}{hint}"
+        )
+    return config
+
+
+def _check_rate(name: str, value, minimum_included: bool) -> None:
+    """A learning rate (> 0) or weight decay (>= 0): a finite real number, not a bool."""
+    bound = ">= 0" if minimum_included else "> 0"
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or not (value >= 0 if minimum_included else value > 0):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 def _unwrap(model):
     """The user's module under DDP/FSDP (``.module``) or torch.compile (``._orig_mod``)."""
+    if not isinstance(model, torch.nn.Module):
+        hint = " (the model built from it)" if all(hasattr(model, key) for key in _CONFIG_KEYS) else ""
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}{hint}")
     while True:
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if inner is None or not isinstance(inner, torch.nn.Module):
@@ -47,17 +71,18 @@ def _unwrap(model):
 
 
 def base_width(config) -> int:
+    config = _checked_config(config)
     return config.mup_base_width or config.labels
 
 
 def width_multiplier(config) -> float:
-    return config.labels / base_width(config)
+    return _checked_config(config).labels / base_width(config)
 
 
 def base_shape(config) -> dict[str, float]:
     """Labels, channels, rank and global labels of the base model (floats: the base
     need not be buildable to define the scales)."""
-    m = width_multiplier(config)
+    m = width_multiplier(config)  # checks config
     grows_channels = config.mup_paradigm == "channels"
     return {
         "labels": float(base_width(config)),
@@ -69,7 +94,7 @@ def base_shape(config) -> dict[str, float]:
 
 def engine_scales(config) -> MupScales:
     """The ``MeanField`` μP factors of ``config``, relative to its base width."""
-    base = base_shape(config)
+    base = base_shape(config)  # checks config
     here = MupScales.at(config.labels, config.rank, config.global_labels)
     return here.relative_to(MupScales.at(base["labels"], base["rank"], base["global_labels"]))
 
@@ -79,7 +104,7 @@ def widen(config, labels: int):
     same factor, the base width kept, so hyper-parameters tuned at the base transfer."""
     if isinstance(labels, bool) or not isinstance(labels, int) or labels < 1:
         raise ValueError(f"labels must be an integer >= 1, got {labels!r}")
-    factor = labels / config.labels
+    factor = labels / _checked_config(config).labels
 
     def scaled(name: str) -> int:
         value = getattr(config, name) * factor
@@ -196,10 +221,8 @@ def param_groups(model, lr: float, weight_decay: float = 0.0) -> list[dict]:
     exactly one group; each group carries ``name`` and ``lr_multiplier``. Biases (every
     parameter named ``*bias``, vectors or not) and norms get no weight decay. Works through
     DDP/FSDP/compile wrappers."""
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if not weight_decay >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    _check_rate("lr", lr, minimum_included=False)
+    _check_rate("weight_decay", weight_decay, minimum_included=True)
     inner = _unwrap(model)
     role_of = roles(inner)
     multipliers = _multipliers(inner)

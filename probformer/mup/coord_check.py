@@ -160,7 +160,13 @@ def run(base_config, widths, steps: int = 5, lr: float = 1e-2, seeds: int = 4, b
 def width_ratios(result: dict, widths=None) -> dict[str, float]:
     """Per group: the largest max/min ratio of its size over ``widths`` (default all),
     taken over steps."""
+    keys = ("widths", "steps", "sizes")
+    if not isinstance(result, dict) or any(key not in result for key in keys):
+        found = sorted(result) if isinstance(result, dict) else type(result).__name__
+        raise ValueError(f"result must be coord_check.run's result, a dict with {list(keys)}, got {found}")
     widths = widths or result["widths"]
+    if any(width not in result["sizes"] for width in widths):
+        raise ValueError(f"widths must be among the result's widths {sorted(result['sizes'])}, got {widths!r}")
     ratios = {}
     for group in ACTIVATIONS:
         worst = 1.0

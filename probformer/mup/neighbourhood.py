@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import tempfile
 from pathlib import Path
 
@@ -29,14 +30,21 @@ WEIGHTS = [f.name for f in dataclasses.fields(inference.MessageWeights)]
 
 def samples_needed(p: float = 0.05, alpha: float = 0.05) -> int:
     """The smallest n with (1 - p)^n <= alpha."""
-    if not (0 < p < 1 and 0 < alpha < 1):
-        raise ValueError(f"p and alpha must lie in (0, 1), got {p}, {alpha}")
-    return math.ceil(math.log(alpha) / math.log(1 - p))
+    numbers_in_range = all(isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x < 1 for x in (p, alpha))
+    if not numbers_in_range:
+        raise ValueError(f"p and alpha must be numbers in (0, 1), got {p!r}, {alpha!r}")
+    # log1p: log(1 - p) rounds to 0 for p below 1e-16 (a division by zero)
+    n = math.log(alpha) / math.log1p(-p)
+    if not math.isfinite(n):  # p a subnormal float
+        raise ValueError(f"p={p!r} is too small: more samples than a float can count (about 1.8e308) are needed")
+    return math.ceil(n)
 
 
 def base_point(config: run_config.RunConfig) -> dict[str, float]:
     """The 7 hyper-parameters of a PT run config: lr and the information weights (as
     numbers at the base width)."""
+    if not isinstance(config, run_config.RunConfig):
+        raise TypeError(f"config must be a RunConfig (run_config.load(path)), got {type(config).__name__}")
     if config.kind != "probabilistic_transformer":
         raise ValueError(f"the neighbourhood check tunes a probabilistic_transformer, got {config.kind!r}")
     model = config.model_config(vocab_size=8)
