@@ -137,7 +137,7 @@ def export(
     the source's by more than ``tolerance`` anywhere; a failed export leaves nothing at
     ``path``.
     """
-    _check_options(format, max_length, tolerance)
+    _check_options(format, max_length, tolerance, vocabulary)
     _check_outside_model_folders(Path(path))
     _check_replaceable(Path(path))
     model, vocabulary, tags, undeclared = _source_model(model, vocabulary, format)
@@ -159,7 +159,13 @@ def export(
     return path
 
 
-def _check_options(format, max_length, tolerance) -> None:
+def _check_options(format, max_length, tolerance, vocabulary) -> None:
+    words = getattr(vocabulary, "words", None)
+    if vocabulary is not None and (not isinstance(words, list) or not all(isinstance(w, str) for w in words)):
+        raise TypeError(
+            "vocabulary must be None or a Vocabulary or SubwordVocabulary (probformer.training.data: .words, a list "
+            f"of strings), got {type(vocabulary).__name__}"
+        )
     if format not in FORMATS:
         raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
     if max_length is not None:
