@@ -198,7 +198,7 @@ class SMC:
             log_weights.start_from(initial, trace)
         always = torch.ones(B, 1, device=device, dtype=dtype) if self.ess_threshold >= 1 else None
         for t in range(num_steps):
-            particles, increment = _move(step, t, particles, (B, N))
+            particles, increment = _move(step, t, particles, (B, N), device)
             weighed = log_weights.weigh(increment, trace, t)
             if not resampling:
                 continue
@@ -259,9 +259,20 @@ def _check_init(particles, num_particles: int, batch_size: int) -> tuple[int, to
     return first.shape[0], first.device, torch.promote_types(dtype, torch.float32)
 
 
-def _move(step: Callable, t: int, particles, shape: tuple[int, int]):
-    """The model's step ``t``: the particles moved, and their incremental log-weights ``[B, N]``."""
-    particles, increment = step(t, particles)
+def _move(step: Callable, t: int, particles, shape: tuple[int, int], device: torch.device):
+    """The model's step ``t``: the particles moved, and their incremental log-weights ``[B, N]``
+    (a tensor on the particles' ``device``)."""
+    moved = step(t, particles)
+    if not isinstance(moved, tuple | list) or len(moved) != 2:
+        raise TypeError(f"step must return (particles, log-incremental weights [B, N]), got {type(moved).__name__}")
+    particles, increment = moved
+    if not isinstance(increment, torch.Tensor):
+        raise TypeError(f"step must return log-incremental weights as a tensor [B, N], got {type(increment).__name__}")
     if increment.shape != shape:
         raise ValueError(f"step must return log-incremental weights [B, N] = {shape}, got {tuple(increment.shape)}")
+    if increment.device != device:
+        raise ValueError(
+            f"step must return log-incremental weights on the particles' device {device}, got {increment.device} "
+            f"(at step {t})"
+        )
     return particles, increment
