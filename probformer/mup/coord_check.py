@@ -172,6 +172,9 @@ def width_ratios(result: dict, widths=None) -> dict[str, float]:
         worst = 1.0
         for step in range(result["steps"] + 1):
             values = [result["sizes"][w][group][step] for w in widths]
+            if any(math.isnan(value) for value in values):  # a diverged run: no ratio (max, min ignore a NaN but first)
+                worst = math.nan
+                break
             worst = max(worst, max(values) / max(min(values), 1e-30))
         ratios[group] = worst
     return ratios
