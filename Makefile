@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The tests run in TEST_WORKERS processes (pytest-xdist), one torch thread each, a whole
-# file per process: a file's module fixtures (the every-kind exports) are built once.
+# file per process, and a whole folder where its files share a fixture (tests/conftest.py:
+# the every-kind exports), so each fixture is built once.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile

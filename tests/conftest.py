@@ -35,3 +35,22 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("default")
+
+# folders whose files share a package-scoped fixture that takes minutes to build (every model
+# kind exported to every format): their files run in one process, so it is built once
+SHARED_FIXTURE_FOLDERS = ("tests/probformer/deploy/exporter/", "tests/probformer/deploy/reader/")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` sends whole files to a process; a folder of ``SHARED_FIXTURE_FOLDERS``
+    goes whole. Other modes keep pytest-xdist's own scheduler."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndSharedFolders(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((folder for folder in SHARED_FIXTURE_FOLDERS if path.startswith(folder)), path)
+
+    return FilesAndSharedFolders(config, log)
