@@ -112,16 +112,13 @@ def labels_and_heads(name: str, value, low: float, high: float, low_open: bool =
     number or a pair, each in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
     bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
 
-    def is_number(v) -> bool:
-        return isinstance(v, int | float) and not isinstance(v, bool)
-
-    if is_number(value):
+    if graphs.limits.is_real(value):
         z, h = value, value
     elif isinstance(value, tuple | list) and len(value) == 2:
         z, h = value
     else:
         raise ValueError(f"{name} must be a number or a pair (labels, heads) of numbers in {bound}, got {value!r}")
     for part, v in (("labels", z), ("heads", h)):
-        if not is_number(v) or not (low < v if low_open else low <= v) or not v <= high:
+        if not graphs.limits.is_real(v) or not (low < v if low_open else low <= v) or not v <= high:
             raise ValueError(f"{name} for {part} must lie in {bound}, got {v!r}")
     return float(z), float(h)

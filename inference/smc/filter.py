@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphs.limits import is_real
 from inference.smc.filter_state import LogWeights, Trace, Weighed
 from inference.smc.pyro_state_space import state_space_callables
 from inference.smc.resamplers import (
@@ -73,10 +74,6 @@ def _first_tensor(particles, where: str) -> torch.Tensor:
     return next(iter(particles.values()))
 
 
-def _is_real(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _check_count(name: str, value, minimum: int, maximum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise ValueError(f"{name} must be an integer >= {minimum} and <= {maximum} (the limit), got {value!r}")
@@ -114,12 +111,12 @@ class SMC:
         _check_count("num_particles", num_particles, 1, MAX_PARTICLES)
         if not isinstance(resample, str) or resample not in RESAMPLERS:
             raise ValueError(f"unknown resampler {resample!r}; allowed: {list(RESAMPLERS)}")
-        if not _is_real(ess_threshold) or not 0 <= ess_threshold <= 1:
+        if not is_real(ess_threshold) or not 0 <= ess_threshold <= 1:
             raise ValueError(f"ess_threshold must be a number in [0, 1], got {ess_threshold!r}")
         if not (relaxation is None or isinstance(relaxation, str)) or relaxation not in RELAXATIONS:
             raise ValueError(f"unknown relaxation {relaxation!r}; allowed: {list(RELAXATIONS)}")
         low, high = TEMPERATURES
-        if not _is_real(temperature) or not low <= temperature <= high:  # NaN fails both comparisons
+        if not is_real(temperature) or not low <= temperature <= high:  # NaN fails both comparisons
             raise ValueError(f"temperature must be a finite number in [{low:g}, {high:g}], got {temperature!r}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

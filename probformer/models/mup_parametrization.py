@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import torch
 
+from graphs.limits import is_real
 from inference import MupScales
 
 __all__ = ["PARADIGMS", "GROUPS", "base_shape", "engine_scales", "widen", "initialise", "param_groups", "roles"]
@@ -53,7 +53,7 @@ def _checked_config(config):
 def _check_rate(name: str, value, minimum_included: bool) -> None:
     """A learning rate (> 0) or weight decay (>= 0): a finite real number, not a bool."""
     bound = ">= 0" if minimum_included else "> 0"
-    number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    number = is_real(value) and math.isfinite(value)
     if not number or not (value >= 0 if minimum_included else value > 0):
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
 

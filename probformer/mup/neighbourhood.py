@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import tempfile
 from pathlib import Path
 
 import torch
 
 import inference
+from graphs.limits import is_real
 from probformer.mup import base_width
 from probformer.mup.coord_check import progress_bar
 from probformer.training import run_config
@@ -30,7 +30,7 @@ WEIGHTS = [f.name for f in dataclasses.fields(inference.MessageWeights)]
 
 def samples_needed(p: float = 0.05, alpha: float = 0.05) -> int:
     """The smallest n with (1 - p)^n <= alpha."""
-    numbers_in_range = all(isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x < 1 for x in (p, alpha))
+    numbers_in_range = all(is_real(x) and 0 < x < 1 for x in (p, alpha))
     if not numbers_in_range:
         raise ValueError(f"p and alpha must be numbers in (0, 1), got {p!r}, {alpha!r}")
     # log1p: log(1 - p) rounds to 0 for p below 1e-16 (a division by zero)
