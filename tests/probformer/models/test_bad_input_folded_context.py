@@ -1,13 +1,20 @@
-"""FoldedContext takes a non-contiguous batch (a transposed or strided view, whose default
-mask keeps its strides) as it takes its contiguous copy: it failed with a bare view error."""
+"""FoldedContext's bad input, forward and stream: a non-contiguous batch (a transposed or
+strided view, whose default mask keeps its strides) gives the logits of its contiguous copy
+(it failed with a bare view error); ``stream`` and ``push_segment`` refuse a state of another
+type by name (an int or None raised AttributeError) and check a segment's tokens as the
+forward does (float ids failed inside the embedding, ids out of range with an IndexError, no
+mask with an AttributeError)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import probformer
+from inference import FoldState
+from probformer.models.folded_context import FoldedStreamState
 
 
 def model() -> probformer.FoldedContext:
@@ -19,6 +26,47 @@ def model() -> probformer.FoldedContext:
 
 
 MODEL = model()
+TOKENS = torch.tensor([[1, 2, 3], [4, 5, 6]])
+MASK = torch.ones(2, 3, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("state", [5, "state", FoldState()])
+def test_a_stream_state_of_another_type_is_refused_by_name(state):
+    with pytest.raises(TypeError, match=r"state must be a FoldedStreamState or None \(a fresh stream\)"):
+        list(MODEL.stream([TOKENS], state=state))
+
+
+@pytest.mark.parametrize("state", [None, 5, FoldState()])
+def test_push_segment_needs_a_state_it_can_update(state):
+    words = r"state must be a FoldedStreamState \(FoldedStreamState\(\) for a fresh stream\)"
+    with pytest.raises(TypeError, match=words):
+        MODEL.push_segment(TOKENS, MASK, state)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "mask", "error", "words"),
+    [
+        (TOKENS.float(), MASK, TypeError, "tokens must have an integer dtype"),
+        (TOKENS, MASK.long(), TypeError, "mask must be a torch.bool tensor"),
+        (TOKENS + 11, MASK, ValueError, r"token ids must lie in \[0, 11\) \(vocab_size\)"),
+    ],
+)
+def test_push_segment_refuses_bad_tokens_by_name(tokens, mask, error, words):
+    with pytest.raises(error, match=words), torch.no_grad():
+        MODEL.push_segment(tokens, mask, FoldedStreamState())
+
+
+@given(yielded=st.one_of(st.integers(max_value=-1), st.integers(min_value=4), st.floats(0, 3), st.booleans()))
+def test_a_bad_yielded_is_refused_by_name(yielded):
+    with pytest.raises(ValueError, match=r"yielded must be an integer in \[0, 3\]"), torch.no_grad():
+        MODEL.push_segment(TOKENS, MASK, FoldedStreamState(), yielded)
+
+
+def test_push_segment_without_a_mask_gives_the_streams_first_segment():
+    with torch.no_grad():
+        got = MODEL.push_segment(TOKENS, None, FoldedStreamState())
+        expected = next(iter(MODEL.stream([TOKENS])))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @settings(max_examples=20, deadline=None)
