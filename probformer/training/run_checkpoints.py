@@ -40,7 +40,7 @@ __all__ = [
     "latest_checkpoint",
     "save_training_checkpoint",
     "restore_training_checkpoint",
-    "save_final_model",
+    "save_model_folder",
     "remove_stale_temporaries",
     "write_text_atomic",
     "read_record",
@@ -216,7 +216,7 @@ def restore_training_checkpoint(source: Path, model, optimizer) -> dict:
     return counters
 
 
-def save_final_model(run_dir, model, vocabulary, tags: list[str] | None, name: str = "model") -> Path:
+def save_model_folder(run_dir, model, vocabulary, tags: list[str] | None, name: str = "model") -> Path:
     """Write the run's ``model/`` folder (or ``best/``: a plain checkpoint, plus ``tags.json``)
     under a temporary name, then swap it in: a reader never sees a half-written model."""
     run_dir = Path(run_dir)

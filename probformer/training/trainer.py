@@ -343,8 +343,7 @@ class Trainer:
                 self.plot()
                 self.early_stopping.update(metrics["loss"], self.step)
                 if self.early_stopping.best_step == self.step:  # a new best: its model kept apart from the last
-                    saved = (self.corpus.vocabulary, self.corpus.tags)
-                    run_checkpoints.save_final_model(self.out, self.model, *saved, name="best")
+                    self._save_model("best")
                     crash_points.reached("best:model")
             if train.patience and train.eval_every and self.step % train.eval_every == 0:
                 self.early_stopping.share(self.rank, self.world, self.device)  # only rank 0 validates
@@ -363,12 +362,12 @@ class Trainer:
         self.log.write({"step": self.step, "split": "valid", "final": True, **final})
         crash_points.reached("final:logged")
         self.plot()
-        run_checkpoints.save_final_model(self.out, self.model, self.corpus.vocabulary, self.corpus.tags)
+        self._save_model("model")
         crash_points.reached("final:model")
         train = self.config.train  # the last step's validation is the final one: a best too, on the same sentences
         same_sentences = not train.eval_sentences or train.eval_sentences >= len(self.corpus.valid)
         if train.eval_every and same_sentences and final["loss"] < self.early_stopping.best_loss:
-            run_checkpoints.save_final_model(self.out, self.model, self.corpus.vocabulary, self.corpus.tags, "best")
+            self._save_model("best")
         summary = {
             "kind": self.config.kind,
             "parameters": self.parameters,
@@ -387,6 +386,9 @@ class Trainer:
         if self.progress:
             print(f"validation {describe(final)}; model in {self.out / 'model'}", flush=True)
         return summary
+
+    def _save_model(self, name: str) -> None:  # model/ (the last step's) or best/
+        run_checkpoints.save_model_folder(self.out, self.model, self.corpus.vocabulary, self.corpus.tags, name)
 
     def plot(self) -> Path:
         return self.log.plot(f"{self.config.kind} ({self.parameters / 1e6:.2f}M parameters)")

@@ -86,8 +86,8 @@ def test_export_never_replaces_a_training_checkpoint_or_a_runs_model(tmp_path, c
     run = tmp_path / "run"
     optimizer = torch.optim.AdamW(model.parameters())
     step = run_checkpoints.save_training_checkpoint(run, 2, model, optimizer, vocabulary, {"step": 2})
-    run_checkpoints.save_final_model(run, model, vocabulary, ["NOUN", "VERB"])
-    plain = run_checkpoints.save_final_model(tmp_path / "plain", model, vocabulary, None)  # the export's file names
+    run_checkpoints.save_model_folder(run, model, vocabulary, ["NOUN", "VERB"])
+    plain = run_checkpoints.save_model_folder(tmp_path / "plain", model, vocabulary, None)  # the export's file names
     before = {p: p.read_bytes() for folder in (step, run / "model", plain) for p in folder.iterdir()}
     for target in (step, run / "model", plain):
         with pytest.raises(FileExistsError, match="is not a probformer export"):
@@ -131,7 +131,7 @@ def model_folders(tmp_path_factory):
     root, model = tmp_path_factory.mktemp("folders"), transformer()
     optimizer = torch.optim.AdamW(model.parameters())
     step = run_checkpoints.save_training_checkpoint(root / "run", 2, model, optimizer, None, {"step": 2})
-    run_checkpoints.save_final_model(root / "run", model, None, None)
+    run_checkpoints.save_model_folder(root / "run", model, None, None)
     return model, [root / "run" / "model", step, probformer.export(model, root / "export")]
 
 

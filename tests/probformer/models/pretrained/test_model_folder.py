@@ -36,7 +36,7 @@ def folders(tmp_path_factory):
     run.mkdir()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     run_checkpoints.save_training_checkpoint(run, 2, model, optimizer, vocabulary, {"step": 2})
-    run_checkpoints.save_final_model(run, model, vocabulary, None)
+    run_checkpoints.save_model_folder(run, model, vocabulary, None)
     pf.export(model, root / "export", vocabulary=vocabulary)
     paths = {
         "run": run,
