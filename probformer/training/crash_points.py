@@ -10,7 +10,9 @@ The points, in the order a step reaches them: ``step`` (after the optimiser step
 ``metrics:partial`` (half a metrics line written), ``metrics:written``,
 ``save:weights`` (temporary checkpoint has its weights only), ``save:temporary``
 (temporary complete), ``save:renamed`` (renamed, pointer not moved),
-``save:pointer`` (pointer moved, old checkpoint not yet pruned), ``best:model`` (a new
+``save:pointer`` (pointer moved, old checkpoint not yet pruned), ``swap:moved`` (a
+``model/`` or ``best/`` being replaced: the old one moved aside, the new one not yet
+in), ``best:model`` (a new
 best validation's ``best/`` folder written, its step's checkpoint not yet), ``final:logged``,
 ``final:model`` (final model folder written, summary not yet).
 """
@@ -31,6 +33,7 @@ POINTS = (
     "save:temporary",
     "save:renamed",
     "save:pointer",
+    "swap:moved",
     "best:model",
     "final:logged",
     "final:model",

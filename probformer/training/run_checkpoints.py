@@ -115,8 +115,16 @@ def _remove(path: Path) -> None:
 
 def remove_stale_temporaries(run_dir) -> None:
     """Remove what a killed process left half-written: ``.NAME.tmp-PID`` files and
-    folders and ``.NAME.old-PID`` (``model``, ``best``) in the run folder and its ``checkpoints``."""
-    for folder in (Path(run_dir), Path(run_dir) / "checkpoints"):
+    folders and ``.NAME.old-PID`` (``model``, ``best``) in the run folder and its ``checkpoints``.
+    A swap killed between its two renames left ``NAME`` missing and its previous copy in
+    ``.NAME.old-PID``: that copy is moved back first, so the folder is never lost."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir() and not run_dir.is_symlink():
+        for old in sorted(run_dir.glob(".*.old-*")):
+            final = run_dir / old.name[1:].rsplit(".old-", 1)[0]
+            if old.is_dir() and not old.is_symlink() and not (final.exists() or final.is_symlink()):
+                os.replace(old, final)
+    for folder in (run_dir, run_dir / "checkpoints"):
         if folder.is_dir() and not folder.is_symlink():
             for stale in [*folder.glob(".*.tmp-*"), *folder.glob(".*.old-*")]:
                 _remove(stale)
@@ -229,6 +237,7 @@ def save_model_folder(run_dir, model, vocabulary, tags: list[str] | None, name: 
             (temporary / "tags.json").write_text(json.dumps(tags))
         if final.exists():
             os.replace(final, old)
+            crash_points.reached("swap:moved")
         os.replace(temporary, final)
     except (OSError, SafetensorError) as error:
         _remove(temporary)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probformer.training import checkpoint, run_config
+from probformer.training import checkpoint, run_checkpoints, run_config
 from probformer.training.corpus import prepare_corpus
 from probformer.training.trainer import train
 from probformer.training.validation import evaluate_model
@@ -115,6 +115,34 @@ def test_a_kill_right_after_best_is_written_resumes_to_the_same_run(tmp_path, tr
         weights = f"{folder}/model.safetensors"
         assert (run / weights).read_bytes() == (reference / weights).read_bytes()
     assert not [p.name for p in run.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_a_kill_between_the_two_renames_of_a_swap_loses_no_best_folder(tmp_path, trained):
+    """The second new best replaces best/: killed after the old folder is moved aside and
+    before the new one is in, best/ is missing. Cleaning up moves the old one back (not
+    deleting both copies), and the resumed run ends with the uninterrupted run's bytes."""
+    config, reference, _ = trained
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "probformer", "train", "--config", str(config), "--out", str(run)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PROBFORMER_CRASH_AT": "swap:moved@1"}
+    killed = subprocess.run(command, env=environment, capture_output=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    assert not (run / "best").exists()
+    [old] = run.glob(".best.old-*")
+    [new] = run.glob(".best.tmp-*")
+    previous, names = (old / "model.safetensors").read_bytes(), sorted(p.name for p in old.iterdir())
+    assert previous != (new / "model.safetensors").read_bytes()
+    run_checkpoints.remove_stale_temporaries(run)
+    assert (run / "best" / "model.safetensors").read_bytes() == previous
+    assert sorted(p.name for p in (run / "best").iterdir()) == names
+    assert not [p.name for p in run.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    checkpoint.load(run / "best")  # a whole model folder, readable
+    environment.pop("PROBFORMER_CRASH_AT")
+    resumed = subprocess.run([*command, "--resume"], env=environment, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for folder in ("best", "model"):
+        weights = f"{folder}/model.safetensors"
+        assert (run / weights).read_bytes() == (reference / weights).read_bytes()
 
 
 @given(st.lists(st.floats(0.5, 9.0), min_size=1, max_size=8))
