@@ -126,16 +126,12 @@ class Gibbs:
 
         # float64 in JAX: without it every table becomes float32, and DiscreteGibbs's conditionals,
         # differences of the batch's summed potential, lost their precision at large potentials.
-        # Set globally, not by the thread-local enable_x64: a user factor's callback returns on
-        # XLA's threads, where JAX would read its float64 result as float32 and refuse it
-        previous = jax.config.jax_enable_x64
-        jax.config.update("jax_enable_x64", True)
-        try:
+        # The thread-local switch, so other threads' JAX is untouched (a user factor's callback
+        # returns its float64 as two float32: _extra_term).
+        with jax.enable_x64(True):
             collapsed = _CollapsedCRF.of(crf, tokens, mask)
             z_draws, key_block = self._label_draws(collapsed)
             draws, values = _block_draws(collapsed, z_draws, key_block, crf.node_mask(mask).numpy())
-        finally:
-            jax.config.update("jax_enable_x64", previous)
         means, errors, sizes, rhat = _summaries(values, float(self.num_chains * self.num_samples))
         dims = {"z": ["sentence", "node"], "h": ["sentence", "channel", "node"], "g": ["sentence", "token"]}
         inference_data = arviz_interop.from_arrays({"posterior": draws}, dims=dims)
@@ -334,9 +330,17 @@ def _extra_term(factor, tokens, mask, nodes, dtype):
         inputs = tokens.repeat(repeat, *[1] * (tokens.dim() - 1))  # token ids [B', n] or embeddings [B', n, D]
         with torch.no_grad():
             value = factor.log_potential(flat, inputs, mask.repeat(repeat, 1))
-        return value.double().reshape(*lead, -1).sum(-1).numpy().astype(dtype)
+        total = value.double().reshape(*lead, -1).sum(-1).numpy()
+        high = total.astype(np.float32)
+        if not np.isfinite(high).all() and np.isfinite(total).all():
+            raise ValueError(f"{type(factor).__name__}.log_potential: a batch total beyond float32's range")
+        return np.stack([high, (total - high).astype(np.float32)], axis=-1)
 
     def user(z):
-        return jax.pure_callback(in_torch, jax.ShapeDtypeStruct((), dtype), z, vmap_method="broadcast_all")
+        # XLA runs the callback on its own threads, where the thread-local float64 switch is
+        # off and JAX would read a float64 result as float32: the total comes back as two
+        # float32 (high + low, exact to 2**-48 of it) and is summed again in float64 here.
+        parts = jax.pure_callback(in_torch, jax.ShapeDtypeStruct((2,), np.float32), z, vmap_method="broadcast_all")
+        return parts[..., 0].astype(dtype) + parts[..., 1].astype(dtype)
 
     return user

@@ -98,16 +98,22 @@ def test_gibbs_draws_are_reproducible_under_a_seed():
 
 
 class SameAsNext(graphs.Factor):
-    """A user factor, written here: weight w per pair of neighbouring real tokens with equal labels."""
+    """A user factor, written here: weight w per pair of neighbouring real tokens with equal
+    labels, plus a constant 3e7 per sentence. The constant changes no posterior, but carried
+    in float32 it would round Gibbs's conditionals (differences of the summed totals) away."""
 
     def __init__(self, weight):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.tensor(float(weight)))
+        self.float64_in_jax = []  # what JAX's float64 switch read where Gibbs called this
 
     def log_potential(self, z, tokens, mask):
+        import jax
+
+        self.float64_in_jax.append(jax.config.jax_enable_x64)
         n = tokens.shape[1]
         same = (z[:, 1:n] == z[:, : n - 1]) & mask[:, 1:]
-        return self.weight * same.to(self.weight.dtype).sum(-1)
+        return self.weight * same.to(self.weight.dtype).sum(-1) + 3e7
 
 
 # ~10 s idle (the user factor runs in torch through a JAX callback); in make test: the one Gibbs run of a user factor
@@ -121,8 +127,11 @@ def test_gibbs_compiles_pairwise_and_user_factors_and_agrees_with_exact():
     mask = torch.tensor([[True, True, True], [True, True, False]])
     with torch.no_grad():
         exact = inference.Exact(crf.double()).marginals(tokens, mask)
+    crf.factors[1].float64_in_jax.clear()
     result = inference.Gibbs(crf, num_samples=1500, num_warmup=200, num_chains=4, seed=2).sample(tokens, mask)
     assert result.rhat < 1.05
+    # float64 is switched on for Gibbs's own thread only: where XLA calls the factor, it is off
+    assert False in crf.factors[1].float64_in_jax
     for name in ("z", "h"):
         p = getattr(exact, name).detach().double()
         se = torch.sqrt((p * (1 - p)).clamp(min=0) / getattr(result.effective_sample_size, name)).clamp(min=1e-6)
