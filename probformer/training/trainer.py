@@ -61,6 +61,7 @@ __all__ = ["Trainer", "train", "latest_checkpoint", "evaluate_model"]
 DIAGNOSED_KINDS = ("probabilistic_transformer", "particle_transformer")
 PROBE_SENTENCES = 8
 PROGRESS_EVERY = 10  # logged training lines between plain progress lines (no terminal)
+COUNTERS = ("step", "epoch", "batch_in_epoch", "tokens_seen", "elapsed")  # where a checkpoint resumes
 
 
 class Trainer:
@@ -185,11 +186,7 @@ class Trainer:
 
     def save(self) -> Path:
         counters = {
-            "step": self.step,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "tokens_seen": self.tokens_seen,
-            "elapsed": self.elapsed,
+            **{key: getattr(self, key) for key in COUNTERS},
             "tags": self.corpus.tags,
             "early_stopping": self.early_stopping.state(),
             **self.log.state(),
@@ -206,7 +203,7 @@ class Trainer:
                 self._create_run_folder()
             return
         counters = run_checkpoints.restore_training_checkpoint(self.resume_from, self.model, self.optimizer)
-        for key in ("step", "epoch", "batch_in_epoch", "tokens_seen", "elapsed"):
+        for key in COUNTERS:
             setattr(self, key, counters[key])
         self.early_stopping.restore(counters.get("early_stopping", {}))
         self.log.restore(counters, self.step)  # drop what was logged after the checkpoint
