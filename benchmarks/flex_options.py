@@ -35,7 +35,11 @@ from inference.mean_field.kernels import flex  # noqa: E402
 
 # kernel_options of torch's flex templates: forward tiles (BLOCK_M x BLOCK_N), the backward's
 # two passes (dk/dv: BLOCK_M1 x BLOCK_N1; dq: BLOCK_M2 x BLOCK_N2); each must divide the
-# block mask's 128
+# block mask's block (128). "mask_block" is no kernel option: the block masks' block size
+# (fewer elements in partial blocks, where the mask_mod runs per element), with tiles that
+# divide it
+_TILES_64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}
+_TILES_32 = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32}
 VARIANTS = {
     "default": {},
     "forward_64": {"BLOCK_M": 64, "BLOCK_N": 64},
@@ -43,17 +47,23 @@ VARIANTS = {
     "backward_32_128": {"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
     "warps_8": {"num_warps": 8},
     "stages_2": {"num_stages": 2},
+    "mask_64": {"mask_block": 64, **_TILES_64},
+    "mask_64_tiles_32": {"mask_block": 64, **_TILES_32},
+    "mask_32": {"mask_block": 32, **_TILES_32},
 }
 
 
 def with_options(extra: dict):
-    """Add ``extra`` to the engine's kernel options until the returned function is called."""
-    saved = flex._KERNEL_OPTIONS
-    flex._KERNEL_OPTIONS = {**saved, **extra}
+    """Add ``extra`` to the engine's kernel options (its ``mask_block`` to the block masks)
+    until the returned function is called."""
+    saved, saved_block = flex._KERNEL_OPTIONS, flex._MASK_BLOCK
+    options = dict(extra)
+    flex._MASK_BLOCK = options.pop("mask_block", saved_block)
+    flex._KERNEL_OPTIONS = {**saved, **options}
     drop_compiled()
 
     def undo():
-        flex._KERNEL_OPTIONS = saved
+        flex._KERNEL_OPTIONS, flex._MASK_BLOCK = saved, saved_block
         drop_compiled()
 
     return undo

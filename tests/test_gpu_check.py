@@ -93,14 +93,14 @@ def test_the_flex_options_script_dry_runs_and_undoes_each_variant(tmp_path):
     from benchmarks import flex_options
     from inference.mean_field.kernels import flex
 
-    before = dict(flex._KERNEL_OPTIONS)
+    before = dict(flex._KERNEL_OPTIONS), flex._MASK_BLOCK
     out = tmp_path / "options.jsonl"
     argv = ["--device", "cpu", "--tiny", "--n", "16", "--topologies", "full", "window(2)", "--variants", "warps_8",
-            "forward_64", "--out", str(out)]  # fmt: skip
+            "mask_64", "--out", str(out)]  # fmt: skip
     lines = flex_options.main(argv)
     assert [(line["topology"], line["variant"]) for line in lines] == [
-        (t, v) for t in ("full", "window(2)") for v in ("default", "warps_8", "forward_64")
+        (t, v) for t in ("full", "window(2)") for v in ("default", "warps_8", "mask_64")
     ]
     assert all("error" not in line and line["step_s"] > 0 for line in lines), lines
     assert [line["logit_difference"] for line in lines] == [None, 0.0, 0.0] * 2
-    assert len(out.read_text().splitlines()) == 6 and flex._KERNEL_OPTIONS == before
+    assert len(out.read_text().splitlines()) == 6 and (dict(flex._KERNEL_OPTIONS), flex._MASK_BLOCK) == before

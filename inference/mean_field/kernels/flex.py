@@ -57,6 +57,9 @@ _KERNEL_OPTIONS = {"BACKEND": "TRITON"}
 # to float32's precision (the scores reach hundreds, so plain TF32 errs by tenths); Triton's
 # "ieee" float32 dot runs without tensor cores and starves the kernel
 _CUDA_FLOAT32_PRECISION = "'tf32x3'"
+# the block masks' block size (flex_masks.BLOCK); benchmarks/flex_options times smaller ones,
+# with kernel tiles that divide it
+_MASK_BLOCK = BLOCK
 
 
 def _kernel_options(device: torch.device) -> dict:
@@ -143,7 +146,8 @@ def _attention(q, k, v, block_mask, kind: tuple = ()):
 def _run_compiled(q, k, v, block_mask, gqa: bool, kind: tuple):
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     configuration = (COMPILE_BACKEND, q.device.type, q.dtype, grad, q.shape[1], k.shape[1], q.shape[-1],
-                     v.shape[-1], q.shape[0] == 1, q.shape[2] <= BLOCK, block_mask.mask_mod.__code__, kind)  # fmt: skip
+                     v.shape[-1], q.shape[0] == 1, q.shape[2] <= block_mask.BLOCK_SIZE[0], block_mask.mask_mod.__code__,
+                     kind)  # fmt: skip
     attend = _compiled(configuration)
     options = dict(scale=1.0, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
     if COMPILE_BACKEND == "inductor":
@@ -202,7 +206,7 @@ def _flex(query, key, value, value_rev, scale: float, structure: HeadStructure, 
         out = out.sum(2, keepdim=True) if slots == 1 else out
         return out.permute(0, 3, 2, 1, 4)
 
-    forward_mask, reverse_mask = block_masks(structure, K, C)
+    forward_mask, reverse_mask = block_masks(structure, K, C, _MASK_BLOCK)
     # the topology's kind: what the mask_mods hold as constants (lengths are tensors there)
     kind = (structure.band, structure.bucket_cuts, structure.gamma, structure.virtual)
     key_h = heads(key)

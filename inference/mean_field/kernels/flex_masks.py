@@ -6,13 +6,13 @@ topology's band (or its cached token table ``[n, n]``), the nodes ``[B, N]`` and
 touching virtual nodes (``HeadStructure.border``); never from ``[B, N, N]`` arcs. Lengths
 enter as 0-d tensors, not Python numbers, so a compiled kernel does not specialise on them.
 
-The block metadata (which 128 x 128 blocks hold some arc of a group, which hold only arcs)
-comes in two steps. Per topology, length and device, cached: a band's blocks are computed
-from its offsets alone (a block pair sees one range of 255 offsets, ``O(K n / 128)`` work),
-another topology's from its token table, one group at a time. Per batch, once per
-``HeadStructure`` (every iteration and the ELBO reuse it): a block is full only where every
-node of its rows and columns exists in every sentence; padding leaves it partial, where the
-mask_mod decides. Blocks touching a virtual node or the padded end are always partial.
+The block metadata (which blocks, 128 x 128 unless ``block_masks`` is given another size,
+hold some arc of a group, which hold only arcs) comes in two steps. Per topology, length
+and device, cached: a band's blocks are computed from its offsets alone (a block pair sees
+one range of 2 * 128 - 1 offsets, ``O(K n / 128)`` work), another topology's from its token
+table, one group at a time. Per batch, once per ``HeadStructure`` (every iteration and the
+ELBO reuse it): a block is full only where every node of its rows and columns exists in
+every sentence; padding leaves it partial, where the mask_mod decides. Blocks touching a virtual node or the padded end are always partial.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from inference.mean_field.kernels.structure import HeadStructure, band_limits
 
 __all__ = ["BLOCK", "block_masks", "group_count"]
 
-BLOCK = 128  # flex_attention's default sparse block size
+BLOCK = 128  # flex_attention's default sparse block size; the kernels' tiles must divide it
 # topology-level block tables of non-band topologies, newest last: key -> (table, blocks)
 _TABLE_BLOCKS: dict = {}
 _TABLE_BLOCKS_KEPT = 8
@@ -96,27 +96,29 @@ def _mask_mods(structure: HeadStructure, groups: int):
 
 
 @functools.lru_cache(maxsize=32)
-def _band_blocks(band: tuple[int, int], n: int, size: int, structure_key, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _band_blocks(
+    band: tuple[int, int], n: int, size: int, structure_key, device, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(some [K, nb, nb], every [K, nb, nb])`` bool for a band's token arcs: block pair
-    (a, b) covers offsets 128 (b - a) + t, |t| < 128, all of them when neither block is an
+    (a, b) covers offsets block (b - a) + t, |t| < block, all of them when neither block is an
     edge one. Blocks touching the padded end or a virtual node: some, never every."""
     gamma, cuts, groups = structure_key
-    nb = -(-size // BLOCK)
-    diagonals = torch.arange(-(nb - 1), nb, device=device)[:, None] * BLOCK
-    offsets = diagonals + torch.arange(-(BLOCK - 1), BLOCK, device=device)  # [2 nb - 1, 255]
+    nb = -(-size // block)
+    diagonals = torch.arange(-(nb - 1), nb, device=device)[:, None] * block
+    offsets = diagonals + torch.arange(-(block - 1), block, device=device)  # [2 nb - 1, 2 block - 1]
     legal = (offsets != 0) & (offsets >= -band[0]) & (offsets <= band[1]) & (offsets.abs() < n)
     in_group = _offset_group(offsets, cuts, gamma) == torch.arange(groups, device=device)[:, None, None]
     some_d, every_d = (legal & in_group).any(-1), (legal & in_group).all(-1)  # [K, 2 nb - 1]
     blocks = torch.arange(nb, device=device)
     index = blocks[None, :] - blocks[:, None] + nb - 1  # [nb, nb]: the diagonal of block pair (a, b)
-    return _with_edges(some_d[:, index], every_d[:, index], n, size, groups - 1 if size > n else None)
+    return _with_edges(some_d[:, index], every_d[:, index], n, size, groups - 1 if size > n else None, block)
 
 
-def _with_edges(some, every, n: int, size: int, virtual_group: int | None):
+def _with_edges(some, every, n: int, size: int, virtual_group: int | None, block: int):
     """Blocks holding a position >= n (a virtual node or the padded end) are partial for every
     group that can reach them, never full."""
     nb = some.shape[-1]
-    edge = torch.arange(nb, device=some.device) * BLOCK + BLOCK > n  # blocks holding a position >= n
+    edge = torch.arange(nb, device=some.device) * block + block > n  # blocks holding a position >= n
     touches = edge[:, None] | edge[None, :]
     every = every & ~touches
     if virtual_group is not None:  # arcs touching a virtual node: virtual group, edge blocks
@@ -125,27 +127,27 @@ def _with_edges(some, every, n: int, size: int, virtual_group: int | None):
     return some, every
 
 
-def _table_blocks(structure: HeadStructure, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _table_blocks(structure: HeadStructure, groups: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same from a token table (any topology), one group at a time; kept per table."""
     table, n, size = structure.token_arcs, structure.n, structure.nodes.shape[1]
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         key = None
     else:
         key = (table.data_ptr(), tuple(table.shape), table.stride(), table.device, size, structure.gamma,
-               structure.cuts, groups)  # fmt: skip
+               structure.cuts, groups, block)  # fmt: skip
     cached = None if key is None else _TABLE_BLOCKS.get(key)  # a traced graph keeps no cache
     if cached is not None:
         return cached[1]
-    nb = -(-size // BLOCK)
+    nb = -(-size // block)
     token_groups = distance_groups(n, structure.gamma, 0, table.device, structure.cuts)
     some, every = [], []
     for k in range(groups):  # one [n, n] temporary at a time, once per table
-        arcs_k = F.pad((table & (token_groups == k)).to(torch.uint8), (0, nb * BLOCK - n, 0, nb * BLOCK - n))
-        arcs_k = arcs_k.view(nb, BLOCK, nb, BLOCK)
+        arcs_k = F.pad((table & (token_groups == k)).to(torch.uint8), (0, nb * block - n, 0, nb * block - n))
+        arcs_k = arcs_k.view(nb, block, nb, block)
         some.append(arcs_k.amax((1, 3)) > 0)
         every.append(arcs_k.amin((1, 3)) > 0)
     virtual_group = groups - 1 if size > n else None
-    blocks = _with_edges(torch.stack(some), torch.stack(every), n, size, virtual_group)
+    blocks = _with_edges(torch.stack(some), torch.stack(every), n, size, virtual_group, block)
     if key is None:
         return blocks
     _TABLE_BLOCKS[key] = (table, blocks)  # holds the table: its address is not reused while kept
@@ -154,18 +156,18 @@ def _table_blocks(structure: HeadStructure, groups: int) -> tuple[torch.Tensor, 
     return blocks
 
 
-def _topology_blocks(structure: HeadStructure, groups: int):
+def _topology_blocks(structure: HeadStructure, groups: int, block: int):
     size = structure.nodes.shape[1]
     if structure.band is not None:
         key = (structure.gamma, structure.bucket_cuts, groups)
         band = band_limits(structure.band, structure.n)
         traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()  # a traced graph keeps no cache
         build = _band_blocks.__wrapped__ if traced else _band_blocks
-        return build(band, structure.n, size, key, structure.nodes.device)
-    return _table_blocks(structure, groups)
+        return build(band, structure.n, size, key, structure.nodes.device, block)
+    return _table_blocks(structure, groups, block)
 
 
-def _block_mask(some, every, channels: int, mask_mod, size: int) -> BlockMask:
+def _block_mask(some, every, channels: int, mask_mod, size: int, block: int) -> BlockMask:
     """A BlockMask over heads h = c * K + k from per-group block flags ``[1, K, nb, nb]``."""
 
     def ordered(blocks: torch.Tensor):
@@ -176,25 +178,32 @@ def _block_mask(some, every, channels: int, mask_mod, size: int) -> BlockMask:
     partial_blocks, partial_indices = ordered(some & ~every)
     full_blocks, full_indices = ordered(every)
     return BlockMask.from_kv_blocks(
-        partial_blocks, partial_indices, full_blocks, full_indices, BLOCK, mask_mod, (size, size)
+        partial_blocks, partial_indices, full_blocks, full_indices, block, mask_mod, (size, size)
     )
 
 
-def block_masks(structure: HeadStructure, groups: int, channels: int) -> tuple[BlockMask, BlockMask]:
+def block_masks(
+    structure: HeadStructure, groups: int, channels: int, block: int = BLOCK
+) -> tuple[BlockMask, BlockMask]:
     """The block masks of the forward attention (row i over its heads j) and of the reverse
-    one (head i over its dependents j), built once per structure (``structure.cache``)."""
-    key = ("flex block masks", groups, channels)
+    one (head i over its dependents j), of ``block`` x ``block`` blocks, built once per
+    structure (``structure.cache``)."""
+    if not (isinstance(block, int) and not isinstance(block, bool) and block >= 16 and block & (block - 1) == 0):
+        raise ValueError(f"block must be a power of two of at least 16, got {block!r}")
+    key = ("flex block masks", groups, channels, block)
     if key not in structure.cache:
-        some, every = _topology_blocks(structure, groups)
+        some, every = _topology_blocks(structure, groups, block)
         size = structure.nodes.shape[1]
         nb = some.shape[-1]
         # a block is full in every sentence only if all its nodes exist in every sentence
-        nodes = F.pad(structure.nodes, (0, nb * BLOCK - size))
-        whole = nodes.view(nodes.shape[0], nb, BLOCK).all(-1).all(0)  # [nb]
+        nodes = F.pad(structure.nodes, (0, nb * block - size))
+        whole = nodes.view(nodes.shape[0], nb, block).all(-1).all(0)  # [nb]
         every = every & whole[:, None] & whole[None, :]
         forward_mod, reverse_mod = _mask_mods(structure, groups)
         structure.cache[key] = (
-            _block_mask(some[None], every[None], channels, forward_mod, size),
-            _block_mask(some.transpose(-1, -2)[None], every.transpose(-1, -2)[None], channels, reverse_mod, size),
+            _block_mask(some[None], every[None], channels, forward_mod, size, block),
+            _block_mask(
+                some.transpose(-1, -2)[None], every.transpose(-1, -2)[None], channels, reverse_mod, size, block
+            ),
         )
     return structure.cache[key]

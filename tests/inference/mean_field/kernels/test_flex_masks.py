@@ -6,7 +6,6 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 import graphs
-from inference.mean_field.kernels import flex as flex_kernel
 from inference.mean_field.kernels import flex_masks
 from tests.builders import flex_batch as batch
 from tests.builders import head_structure_of as structure_of
@@ -28,11 +27,11 @@ def dense_blocks(num_blocks, indices, num_columns):
     return dense
 
 
-def as_elements(blocks, size):
-    block = flex_kernel.BLOCK
+def as_elements(blocks, size, block):
     return blocks.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :size, :size]
 
 
+@pytest.mark.parametrize("block", [flex_masks.BLOCK, 64, 32])
 @pytest.mark.parametrize(
     "topology, buckets, n, some_full",
     [
@@ -42,7 +41,7 @@ def as_elements(blocks, size):
         ("window(2)", 1, 200, False),
     ],
 )
-def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, some_full):
+def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, some_full, block):
     """What the compiled kernel attends to: full blocks whole, partial blocks through the
     mask_mod, nothing else. It must be head h's arcs, arcs of group h // C, in both the
     forward and the (transposed) reverse mask, and in the backward's column-major lists."""
@@ -54,7 +53,7 @@ def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, s
         mask[1, n - 3 :] = False
         structure = structure_of(crf, mask)
     K, N = projections[0].shape[2], structure.nodes.shape[1]
-    forward, reverse = flex_masks.block_masks(structure, K, channels)
+    forward, reverse = flex_masks.block_masks(structure, K, channels, block)
     head_group = torch.arange(channels * K) % K  # head h = c * K + k
     arcs = structure.arcs[:, None] & (structure.groups == head_group[:, None, None])  # [B, H, N, N]
     for block_mask, expected in ((forward, arcs), (reverse, arcs.transpose(-1, -2))):
@@ -62,11 +61,19 @@ def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, s
         partial = dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, nb)
         full = dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nb)
         mask_mod = create_mask(block_mask.mask_mod, *expected.shape[:2], N, N, device="cpu")
-        attended = as_elements(full, N) | (as_elements(partial, N) & mask_mod)
+        attended = as_elements(full, N, block) | (as_elements(partial, N, block) & mask_mod)
         assert torch.equal(attended, expected)
         assert full.any() == some_full  # the full-block path is exercised where blocks can be full
+        assert block_mask.BLOCK_SIZE == (block, block)
         # the backward walks the same blocks column by column
         assert torch.equal(dense_blocks(block_mask.q_num_blocks, block_mask.q_indices, nb), partial.transpose(-1, -2))
         assert torch.equal(
             dense_blocks(block_mask.full_q_num_blocks, block_mask.full_q_indices, nb), full.transpose(-1, -2)
         )
+
+
+@pytest.mark.parametrize("block", [0, 8, 48, 100, 128.0, True, "64"])
+def test_a_block_size_other_than_a_power_of_two_of_at_least_16_is_refused(block):
+    structure, projections = batch("full", 1, 20, 2)
+    with pytest.raises(ValueError, match="block must be a power of two of at least 16"):
+        flex_masks.block_masks(structure, projections[0].shape[2], 2, block)
