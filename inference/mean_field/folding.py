@@ -31,10 +31,27 @@ import torch
 from graphs.inputs import check_tokens
 from inference.mean_field.engine import MeanField
 
-__all__ = ["Folded", "FoldState", "segment_stream", "check_state", "check_segment"]
+__all__ = ["Folded", "FoldState", "SegmentStreamState", "segment_stream", "check_state", "check_segment"]
 
 
-def segment_stream(chunks: Iterable, length: int, state, check_ids) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+@dataclass
+class SegmentStreamState:
+    """What every stream over segments keeps between chunks, read and written by
+    ``segment_stream``: the tokens of a segment not yet complete and how far the stream
+    got. Each stream's own state (``FoldState``) subclasses it and adds its memory."""
+
+    pending_tokens: torch.Tensor | None = None  # [B, < l] not yet a complete segment
+    pending_mask: torch.Tensor | None = None
+    pending_yielded: int = 0  # of the pending tokens, those already yielded (a partial segment)
+    position: int = 0  # tokens already yielded
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+
+def segment_stream(
+    chunks: Iterable, length: int, state: SegmentStreamState, check_ids
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
     """``(tokens, mask, yielded)`` per segment of ``length`` tokens from ``chunks`` of any
     size (``[B, k]`` tensors or ``(tokens, mask)`` pairs); the last, partial segment comes
     at the end. Fewer than ``length`` tokens wait in ``state.pending_tokens`` /
@@ -89,18 +106,11 @@ def check_segment(tokens, mask, yielded, vocab_size: int, device) -> tuple[torch
 
 
 @dataclass
-class FoldState:
+class FoldState(SegmentStreamState):
     """All a stream keeps between chunks; no tensor here has an axis longer than l."""
 
     memory_logits: torch.Tensor | None = None  # [B, l, d] final logits of the last complete segment
     memory_mask: torch.Tensor | None = None  # [B, l]
-    pending_tokens: torch.Tensor | None = None  # [B, < l] not yet a complete segment
-    pending_mask: torch.Tensor | None = None
-    pending_yielded: int = 0  # of the pending tokens, those already yielded (a partial segment)
-    position: int = 0  # tokens already yielded
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
 
 class Folded:

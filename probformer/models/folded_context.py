@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphs.device_checks import refuse_non_finite_parameters, refuse_unless
-from inference.mean_field.folding import check_segment, check_state, segment_stream
+from inference.mean_field.folding import SegmentStreamState, check_segment, check_state, segment_stream
 from probformer.models.blocks import Block, check_token_inputs, refuse_non_finite_weights
 from probformer.models.config import ConfigMixin
 from probformer.models.pretrained import PretrainedMixin
@@ -60,18 +60,11 @@ class FoldedContextConfig(ConfigMixin):
 
 
 @dataclass
-class FoldedStreamState:
+class FoldedStreamState(SegmentStreamState):
     """What a stream keeps between chunks: no tensor here has an axis longer than l."""
 
     memory: torch.Tensor | None = None  # [B, l, width] global states of the last complete segment
     memory_mask: torch.Tensor | None = None  # [B, l]
-    pending_tokens: torch.Tensor | None = None  # [B, < l]
-    pending_mask: torch.Tensor | None = None
-    pending_yielded: int = 0  # of the pending tokens, those already yielded (a partial segment)
-    position: int = 0
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
 
 class FoldedContext(nn.Module, PretrainedMixin):
