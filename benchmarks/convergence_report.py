@@ -3,7 +3,10 @@ perplexity curves (a plot), per run the best perplexity and its epoch, tokens/s 
 hours, the crossing point of PT's curve with each baseline's, and the claim the curves
 support so far, written to docs/benchmarks.md between its markers:
 
-    .venv/bin/python -m benchmarks.convergence_report [--seeds 2] [--models pt,bert,ut,pt@0.01]
+    .venv/bin/python -m benchmarks.convergence_report [--seeds 2] [--models pt,bert,ut,pt@0.01] [--runs FOLDER]
+
+--runs reads the run folders from FOLDER (default runs/convergence; a copy of a live
+study's, say); the report is written to this checkout's docs either way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from benchmarks.convergence import (
     PATIENCE,
     PLOT,
     RESULTS,
+    ROOT,
     Arm,
     epoch_validations,
     finished,
@@ -94,8 +98,8 @@ def trained_with(run: Path, arm: Arm) -> dict:
     return {key: train[key] for key in ("lr", "batch_size", "warmup_steps")}
 
 
-def summarise(arm: Arm, seed: int) -> dict:
-    run = arm.folder(seed)
+def summarise(arm: Arm, seed: int, runs: Path = ROOT) -> dict:
+    run = runs / arm.folder(seed).name
     points = curve(run)
     best = best_epoch(points)
     summary = json.loads((run / "summary.json").read_text()) if finished(run) else None
@@ -245,10 +249,13 @@ def shared(rows: list[dict], key: str) -> str:
     return f"{values[0]:g}" if len(values) == 1 else "per run" if values else "not started"
 
 
-def report(arms: list[Arm], seeds: int) -> str:
-    rows = [summarise(arm, seed) for arm in arms for seed in range(seeds)]
-    plot(rows)
-    RESULTS.write_text(json.dumps({"command": COMMAND, "runs": rows}, indent=1))
+def collect(arms: list[Arm], seeds: int, runs: Path = ROOT) -> list[dict]:
+    """One row per arm and seed, read from the run folders under ``runs``."""
+    return [summarise(arm, seed, runs) for arm in arms for seed in range(seeds)]
+
+
+def report(arms: list[Arm], rows: list[dict]) -> str:
+    """The section's text from ``collect``'s rows (the plot and the data file are written apart)."""
     lines = [
         f"Recipe: each config at its tuned lr, linear warm-up ({shared(rows, 'warmup_steps')} steps) then "
         "linear decay to 0 at "
@@ -318,10 +325,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2, help="seeds per model (0, 1, ...)")
     parser.add_argument("--models", default=ARMS, help="arms, MODEL or MODEL@LR, MODEL one of pt,bert,ut")
+    parser.add_argument("--runs", type=Path, default=ROOT, help="the folder holding the run folders")
     args = parser.parse_args()
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be at least 1, got {args.seeds}")
-    text = report(parse_arms(args.models), args.seeds)
+    if not args.runs.is_dir():
+        raise SystemExit(f"--runs: {args.runs} is not a folder")
+    arms = parse_arms(args.models)
+    rows = collect(arms, args.seeds, args.runs)
+    plot(rows)
+    RESULTS.write_text(json.dumps({"command": COMMAND, "runs": rows}, indent=1))
+    text = report(arms, rows)
     write_section(text)
     print(text)
 
