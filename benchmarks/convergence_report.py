@@ -81,11 +81,11 @@ def diverged_at(points: list[float]) -> int | None:
     return None
 
 
-def ppl(value: float, signed: bool = False) -> str:
+def ppl(value: float, signed: bool = False, decimals: int = 1) -> str:
     """A perplexity (or, ``signed``, a gap between two) as the report prints it: one
-    decimal, or powers of ten past a million."""
+    decimal (a final figure: two, as the paper's), or powers of ten past a million."""
     sign = "+" if signed else ""
-    return f"{value:{sign}.1f}" if abs(value) < 1e6 else f"{value:{sign}.2e}"
+    return f"{value:{sign}.{decimals}f}" if abs(value) < 1e6 else f"{value:{sign}.2e}"
 
 
 def trained_with(run: Path, arm: Arm) -> dict:
@@ -114,6 +114,7 @@ def summarise(arm: Arm, seed: int, runs: Path = ROOT) -> dict:
         "best_perplexity": points[best - 1] if best else None,
         "best_epoch": best,
         "status": status(run, summary),
+        "finished": summary is not None,
         "diverged_at": diverged_at(points),
         "tokens_per_second": tokens_per_second(run),
         "cpu_hours": cpu_hours(run),
@@ -135,9 +136,9 @@ def sign_changes(gaps: list[float]) -> list[int]:
     return [e for e in range(1, len(gaps)) if (gaps[e] > 0) != (gaps[e - 1] > 0)]
 
 
-def crossing(pt: list[float], baseline: list[float]) -> str:
+def crossing(pt: list[float], baseline: list[float], ended: bool = False) -> str:
     """Where PT's curve crosses the baseline's (every crossing, then the gaps since the
-    first), or how the gap moves so far."""
+    first), or how the gap moves so far (where it would close, unless both arms have ``ended``)."""
     common = min(len(pt), len(baseline))
     if common == 0:
         return "no common epoch yet"
@@ -156,8 +157,10 @@ def crossing(pt: list[float], baseline: list[float]) -> str:
     )
     if common >= 3 and abs(gaps[-1]) < abs(gaps[-3]):
         rate = (abs(gaps[-3]) - abs(gaps[-1])) / 2
-        text += f"; shrinking by {rate:.1f} per epoch over the last two, which would close it near epoch "
-        text += f"{common + math.ceil(abs(gaps[-1]) / rate)} if that rate held (an extrapolation, not a result)"
+        text += f"; shrinking by {rate:.1f} per epoch over the last two"
+        if not ended:
+            text += f", which would close it near epoch {common + math.ceil(abs(gaps[-1]) / rate)} if that rate "
+            text += "held (an extrapolation, not a result)"
     elif common >= 3:
         text += "; not shrinking over the last two epochs"
     return text
@@ -188,19 +191,96 @@ def divergence_note(rows: list[dict], config: str) -> str:
     return f"; s{seed} diverged at epoch {epoch}: the mean stops before it"
 
 
+PAPER_TRANSFORMER, PAPER_PT = 58.43, 62.86  # PTB MLM at convergence, mean over 5 seeds (± 0.58, ± 0.40)
+PAPER = (
+    "the PT paper's converged ranking on PTB MLM (its own recipe, 5 seeds), where the Transformer is ahead: "
+    f"{PAPER_TRANSFORMER} ± 0.58 vs PT {PAPER_PT} ± 0.40, PT's {100 * (PAPER_PT / PAPER_TRANSFORMER - 1):.1f}% higher"
+)
+
+
+def leader(pt: float, bert: float) -> str | None:
+    """The model with the lower perplexity, None in a tie."""
+    return None if pt == bert else "BERT" if bert < pt else "PT"
+
+
+def verdict(leader: str | None) -> str:
+    """How a leader (None: a tie) stands to the paper's ranking, where the Transformer leads."""
+    if leader is None:
+        return f"neither is ahead, where {PAPER}"
+    return f"this {'agrees with' if leader == 'BERT' else 'is the reverse of'} {PAPER}"
+
+
 def against_the_paper(pt: list[float], bert: list[float], name: str = "PT") -> str:
     """The ranking so far (the last epoch both curves have) beside the PT paper's converged one."""
-    paper = (
-        "the PT paper's converged ranking on PTB MLM (its own recipe), where the Transformer is ahead: "
-        "58.43 ± 0.58 vs PT 62.86 ± 0.40"
-    )
     common = min(len(pt), len(bert))
     if common == 0:
-        return f"No common epoch yet; {paper}."
-    leader = "BERT" if bert[common - 1] < pt[common - 1] else "PT"
-    agrees = "agrees with" if leader == "BERT" else "is the reverse of"
+        return f"No common epoch yet; {PAPER}."
+    ahead = leader(pt[common - 1], bert[common - 1])
     figures = f"{ppl(pt[common - 1])} PT vs {ppl(bert[common - 1])} BERT"
-    return f"{name}: at epoch {common}, {leader} is ahead ({figures}): this {agrees} {paper}."
+    return f"{name}: at epoch {common}, {f'{ahead} is ahead' if ahead else 'a tie'} ({figures}): {verdict(ahead)}."
+
+
+def plus_minus(mean: float, sd: float | None) -> str:
+    return ppl(mean, decimals=2) + (f" ± {ppl(sd, decimals=2)}" if sd is not None else " (one seed)")
+
+
+def final_best(rows: list[dict], config: str) -> tuple[float, float | None] | None:
+    """The best validation perplexity's mean and sd over ``config``'s seeds once every seed has
+    finished (a diverged one too: early stopping keeps its best epoch, before it diverged),
+    else None: a mean over the seeds finished so far is no final number."""
+    seeds = [r for r in rows if r["config"] == config]
+    if not seeds or not all(r["finished"] and r["best_perplexity"] is not None for r in seeds):
+        return None
+    bests = [r["best_perplexity"] for r in seeds]
+    return statistics.mean(bests), statistics.stdev(bests) if len(bests) > 1 else None  # n − 1, as the paper's
+
+
+def arm_result(rows: list[dict], config: str) -> str:
+    """``config``'s final best perplexity, mean ± sd and each seed's best with its epoch, or
+    that it is still in progress."""
+    seeds = [r for r in rows if r["config"] == config]
+    if not all(r["finished"] for r in seeds):
+        each = "; ".join(
+            f"s{r['seed']} {r['status']}" + (f", diverged at epoch {r['diverged_at']}" if r["diverged_at"] else "")
+            for r in seeds
+        )
+        return f"{config}: in progress ({each}): no final number until every seed has finished."
+    unmeasured = [f"s{r['seed']}" for r in seeds if r["best_perplexity"] is None]
+    if unmeasured:
+        return f"{config}: finished, but {', '.join(unmeasured)} has no finite validation perplexity: no mean."
+    each = "; ".join(
+        f"s{r['seed']} {ppl(r['best_perplexity'], decimals=2)} at epoch {r['best_epoch']}"
+        + (f", diverged at epoch {r['diverged_at']}: its best, before that, stands" if r["diverged_at"] else "")
+        for r in seeds
+    )
+    best = plus_minus(*final_best(rows, config))
+    return f"{config}: final best validation perplexity {best} (mean ± sample sd over {len(seeds)} seeds; {each})."
+
+
+def final_against_the_paper(rows: list[dict], pt: str, bert: str = "bert-small") -> str:
+    """The final ranking of ``pt`` and ``bert`` (their best perplexities' means over seeds, every
+    seed finished) beside the paper's: who is ahead and by what percentage."""
+    (pt_mean, pt_sd), (bert_mean, bert_sd) = final_best(rows, pt), final_best(rows, bert)
+    figures = f"{plus_minus(pt_mean, pt_sd)} {pt} vs {plus_minus(bert_mean, bert_sd)} {bert}"
+    diverged = [f"{r['config']} s{r['seed']}" for r in rows if r["config"] in (pt, bert) and r["diverged_at"]]
+    if diverged:  # its best, before it diverged, is in the mean: a reader should know
+        figures += f"; {', '.join(diverged)} diverged, its best before that counted"
+    ahead = leader(pt_mean, bert_mean)
+    if ahead is None:
+        return f"{pt}, final: a tie ({figures}): {verdict(None)}."
+    behind = "PT" if ahead == "BERT" else "BERT"
+    percent = 100 * (max(pt_mean, bert_mean) / min(pt_mean, bert_mean) - 1)
+    spreads = [sd for sd in (pt_sd, bert_sd) if sd is not None]
+    noise = (
+        f"; the gap is no larger than a seed's standard deviation ({ppl(max(spreads), decimals=2)}): "
+        f"too small to rank with {sum(r['config'] == pt for r in rows)} seeds"
+        if spreads and abs(pt_mean - bert_mean) <= max(spreads)
+        else ""
+    )
+    return (
+        f"{pt}, final: {ahead} is ahead, {behind}'s best perplexity {percent:.1f}% higher ({figures}){noise}: "
+        f"{verdict(ahead)}."
+    )
 
 
 def plot(rows: list[dict]) -> None:
@@ -279,7 +359,8 @@ def report(arms: list[Arm], rows: list[dict]) -> str:
             f"| {r['config']} s{r['seed']} | {r['lr']:g} | {r['epochs']} | {status} | {best} | {last} | "
             f"{speed} | {r['cpu_hours']:.2f} |"
         )
-    lines += ["", f"Total CPU hours so far: {sum(r['cpu_hours'] for r in rows):.2f}.", ""]
+    done = all(r["finished"] for r in rows)
+    lines += ["", f"Total CPU hours{'' if done else ' so far'}: {sum(r['cpu_hours'] for r in rows):.2f}.", ""]
     for r in (r for r in rows if r["diverged_at"]):
         epoch = r["diverged_at"]
         before = r["curve"][best_epoch(r["curve"][: epoch - 1]) - 1]
@@ -291,18 +372,23 @@ def report(arms: list[Arm], rows: list[dict]) -> str:
     pts = [arm.name for arm in arms if arm.model == "pt"]
     for pt in pts:
         for baseline in [arm.name for arm in arms if arm.model != "pt"]:
-            gap = crossing(mean_curve(rows, pt), mean_curve(rows, baseline))
+            ended = final_best(rows, pt) is not None and final_best(rows, baseline) is not None
+            gap = crossing(mean_curve(rows, pt), mean_curve(rows, baseline), ended)
             seeds = seed_by_seed(rows, pt, baseline)
             note = divergence_note(rows, pt)
             lines.append(f"- {pt} vs {baseline} (mean over seeds{note}): {gap}. Crossings seed by seed: {seeds}.")
+    for arm in arms:
+        lines.append(f"- {arm_result(rows, arm.name)}")
     for pt in pts:  # every PT arm: the sweep's rate and the sensitivity arms alike
-        lines.append(f"- {against_the_paper(mean_curve(rows, pt), mean_curve(rows, 'bert-small'), pt)}")
-    done = all(r["status"] not in ("in progress", "not started") for r in rows)
+        if final_best(rows, pt) is not None and final_best(rows, "bert-small") is not None:
+            lines.append(f"- {final_against_the_paper(rows, pt)}")
+        else:
+            lines.append(f"- {against_the_paper(mean_curve(rows, pt), mean_curve(rows, 'bert-small'), pt)}")
     lines.append(
-        ""
+        "\nEvery run has finished: the best perplexities and their means above are final."
         if done
         else "\nNot converged: every figure above is a curve so far, not a final result (no run has stopped)."
-        if not any(r["status"] not in ("in progress", "not started") for r in rows)
+        if not any(r["finished"] for r in rows)
         else "\nSome runs are still in progress: the comparison is partial."
     )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import math
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -209,3 +210,132 @@ def test_the_best_epoch_is_early_stoppings_and_a_nan_is_never_it(points):
     first_nan = next((e for e, value in enumerate(points) if math.isnan(value)), None)
     if first_nan is not None and any(not math.isnan(value) for value in points[:first_nan]):
         assert diverged_at(points) is not None and diverged_at(points) <= first_nan + 1
+
+
+# curves of a small synthetic study, 6 epochs each (early stopping after the best at epoch 3)
+PT_S0, PT_S1 = [300.0, 200.0, 150.0, 160.0, 170.0, 180.0], [310.0, 190.0, 140.0, 150.0, 155.0, 160.0]
+BERT_S0, BERT_S1 = [250.0, 150.0, 100.0, 110.0, 120.0, 130.0], [260.0, 140.0, 90.0, 95.0, 96.0, 97.0]
+UT = [255.0, 155.0, 105.0, 115.0, 125.0, 135.0]
+
+
+def study_report(folder, curves: dict, running: tuple = ()) -> str:
+    """The report's text for run folders written under ``folder`` from ``curves`` ({run name:
+    perplexities}), every run finished but those named in ``running``."""
+    from benchmarks.convergence_report import collect, report
+
+    for name, values in curves.items():
+        _write_run(folder / name, values, 7, stopped_early=True, finished=name not in running)
+    arms = convergence.parse_arms("pt,bert,ut")
+    return report(arms, collect(arms, 2, folder))
+
+
+def default_curves(**changed) -> dict:
+    curves = {"pt-small-s0": PT_S0, "pt-small-s1": PT_S1, "bert-small-s0": BERT_S0, "bert-small-s1": BERT_S1}
+    return curves | {"ut-small-s0": UT, "ut-small-s1": UT} | {name.replace("_", "-"): c for name, c in changed.items()}
+
+
+def test_a_finished_study_states_each_arms_final_best_and_the_final_ranking_against_the_papers(tmp_path):
+    text = study_report(tmp_path, default_curves())
+    # best perplexities 150 and 140: mean 145, sample sd sqrt(50) = 7.07
+    assert (
+        "- pt-small: final best validation perplexity 145.00 ± 7.07 (mean ± sample sd over 2 seeds; "
+        "s0 150.00 at epoch 3; s1 140.00 at epoch 3)." in text
+    )
+    assert "- bert-small: final best validation perplexity 95.00 ± 7.07" in text
+    assert "- ut-small: final best validation perplexity 105.00 ± 0.00" in text
+    # 145 / 95 - 1 = 52.6%
+    assert (
+        "- pt-small, final: BERT is ahead, PT's best perplexity 52.6% higher (145.00 ± 7.07 pt-small vs "
+        "95.00 ± 7.07 bert-small): this agrees with the PT paper's converged ranking" in text
+    )
+    assert "PT's 7.6% higher" in text  # the paper's: 62.86 / 58.43 - 1
+    assert "Every run has finished" in text and "Total CPU hours: " in text
+    assert "at epoch 6, BERT is ahead" not in text and "extrapolation" not in text and "in progress" not in text
+
+
+def test_while_a_seed_runs_its_arm_gives_no_final_number_and_the_ranking_stays_the_curves(tmp_path):
+    text = study_report(tmp_path, default_curves(bert_small_s1=BERT_S1[:4]), running=("bert-small-s1",))
+    assert (
+        "- bert-small: in progress (s0 stopped early; s1 in progress): no final number until every seed has finished."
+        in text
+    )
+    assert "bert-small: final" not in text and "95.00" not in text and "pt-small, final" not in text
+    assert "- pt-small: final best validation perplexity 145.00 ± 7.07" in text  # PT's seeds have finished
+    assert "- pt-small: at epoch 4, BERT is ahead (155.0 PT vs 102.5 BERT): this agrees with" in text
+    assert "Some runs are still in progress" in text and "Total CPU hours so far" in text
+
+
+def test_a_diverged_seeds_best_before_it_counts_and_the_seed_is_flagged(tmp_path):
+    diverged = [300.0, 200.0, 150.0, 1e40, 1e41, 1e42]
+    text = study_report(tmp_path, default_curves(pt_small_s0=diverged))
+    assert (
+        "- pt-small: final best validation perplexity 145.00 ± 7.07 (mean ± sample sd over 2 seeds; "
+        "s0 150.00 at epoch 3, diverged at epoch 4: its best, before that, stands; s1 140.00 at epoch 3)." in text
+    )
+    assert "- Diverged: pt-small s0 at epoch 4" in text
+    assert (
+        "(145.00 ± 7.07 pt-small vs 95.00 ± 7.07 bert-small; pt-small s0 diverged, its best before that counted)"
+        in text
+    )
+
+
+def test_a_tie_names_no_leader_finished_or_in_progress(tmp_path):
+    from benchmarks.convergence_report import against_the_paper
+
+    text = study_report(tmp_path, default_curves(bert_small_s0=PT_S0, bert_small_s1=PT_S1))
+    assert "- pt-small, final: a tie (145.00 ± 7.07 pt-small vs 145.00 ± 7.07 bert-small): neither is ahead" in text
+    assert against_the_paper([120.0, 100.0], [130.0, 100.0]).startswith("PT: at epoch 2, a tie (100.0 PT vs 100.0")
+
+
+def test_a_gap_within_the_seeds_spread_ranks_neither_clearly(tmp_path):
+    text = study_report(tmp_path, default_curves(bert_small_s0=[300.0, 146.0], bert_small_s1=[300.0, 147.0]))
+    assert "- pt-small, final: PT is ahead, BERT's best perplexity 1.0% higher" in text
+    assert (
+        "no larger than a seed's standard deviation (7.07): too small to rank with 2 seeds: this is the reverse" in text
+    )
+
+
+@given(st.lists(st.tuples(st.floats(1.0, 1e5), st.booleans()), min_size=1, max_size=5))
+def test_the_final_mean_and_sd_are_over_every_seed_and_only_once_all_have_finished(seeds):
+    from benchmarks.convergence_report import arm_result, final_best
+
+    rows = [
+        {"config": "pt-small", "seed": seed, "best_perplexity": best, "best_epoch": 1, "finished": done}
+        | {"status": "stopped early" if done else "in progress", "diverged_at": None}
+        for seed, (best, done) in enumerate(seeds)
+    ]
+    rows.append(rows[0] | {"config": "bert-small", "best_perplexity": 1.0, "finished": True})  # another arm
+    bests = [best for best, _ in seeds]
+    if not all(done for _, done in seeds):
+        assert final_best(rows, "pt-small") is None and "±" not in arm_result(rows, "pt-small")
+        return
+    mean, sd = final_best(rows, "pt-small")
+    expected_mean = sum(bests) / len(bests)
+    assert math.isclose(mean, expected_mean, rel_tol=1e-12)
+    if len(bests) == 1:
+        assert sd is None and "(one seed)" in arm_result(rows, "pt-small")
+    else:
+        expected_sd = math.sqrt(sum((b - expected_mean) ** 2 for b in bests) / (len(bests) - 1))
+        assert math.isclose(sd, expected_sd, rel_tol=1e-9, abs_tol=1e-9 * expected_mean)
+
+
+def test_the_report_reads_the_run_folders_given_and_writes_its_section_plot_and_data(tmp_path, monkeypatch):
+    import sys
+
+    from benchmarks import convergence_report
+
+    runs = tmp_path / "copy"
+    for name, values in default_curves().items():
+        _write_run(runs / name, values, 7, stopped_early=True, finished=True)
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n")
+    for name, path in {"DOC": page, "PLOT": tmp_path / "c.png", "RESULTS": tmp_path / "c.json"}.items():
+        monkeypatch.setattr(convergence_report, name, path)
+    monkeypatch.setattr(sys, "argv", ["convergence_report", "--models", "pt,bert,ut", "--runs", str(runs)])
+    convergence_report.main()
+    assert "pt-small: final best validation perplexity 145.00 ± 7.07" in page.read_text()
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert [r["best_perplexity"] for r in json.loads((tmp_path / "c.json").read_text())["runs"]][:2] == [150.0, 140.0]
+    monkeypatch.setattr(sys, "argv", ["convergence_report", "--runs", str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match="--runs"):
+        convergence_report.main()
