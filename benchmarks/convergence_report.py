@@ -1,7 +1,9 @@
 """The convergence study's report, read from the run folders alone: the validation
 perplexity curves (a plot), per run the best perplexity and its epoch, tokens/s and CPU
-hours, the crossing point of PT's curve with each baseline's, and the claim the curves
-support so far, written to docs/benchmarks.md between its markers:
+hours, the crossing point of PT's curve with each baseline's, the claim the curves support
+so far and, once every seed of an arm has finished, its final best perplexity (mean ± sd
+over seeds) and the final ranking against the paper's, written to docs/benchmarks.md
+between its markers:
 
     .venv/bin/python -m benchmarks.convergence_report [--seeds 2] [--models pt,bert,ut,pt@0.01] [--runs FOLDER]
 
