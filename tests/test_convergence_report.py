@@ -339,3 +339,26 @@ def test_the_report_reads_the_run_folders_given_and_writes_its_section_plot_and_
     monkeypatch.setattr(sys, "argv", ["convergence_report", "--runs", str(tmp_path / "none")])
     with pytest.raises(SystemExit, match="--runs"):
         convergence_report.main()
+
+
+def test_each_model_is_ranked_at_its_better_rate_only_once_every_arm_has_finished(tmp_path):
+    from benchmarks.convergence_claims import at_their_better_rates
+
+    text = study_report(tmp_path, default_curves())
+    assert (
+        "- Each model at its better learning rate, the lowest final best perplexity first: "
+        "bert-small 95.00 ± 7.07; ut-small 105.00 ± 0.00; pt-small 145.00 ± 7.07." in text
+    )
+
+    def seeds(config, *bests, finished=True):
+        return [{"config": config, "finished": finished, "best_perplexity": b} for b in bests]
+
+    models = {"pt-small": "pt", "pt-small-lr0.01": "pt", "bert-small": "bert", "bert-small-lr0.001": "bert"}
+    rows = seeds("pt-small", 280.0, 130.0) + seeds("pt-small-lr0.01", 82.0, 84.0) + seeds("bert-small", 76.0, 78.0)
+    finished = rows + seeds("bert-small-lr0.001", 90.0, 91.0)
+    assert at_their_better_rates(finished, models) == (
+        "Each model at its better learning rate, the lowest final best perplexity first: "
+        "bert-small 77.00 ± 1.41; pt-small-lr0.01 83.00 ± 1.41."
+    )
+    assert at_their_better_rates(rows + seeds("bert-small-lr0.001", 70.0, 71.0, finished=False), models) is None
+    assert "Each model at its better" not in study_report(tmp_path / "running", default_curves(), ("ut-small-s1",))
