@@ -199,10 +199,10 @@ class SMC:
             weighed = log_weights.weigh(increment, trace, t)
             if not resampling:
                 continue
-            chosen = self._decide(weighed.ess, always)
+            chosen = self._decide(weighed.ess, always, out=trace.choice_rows[t])
             trace.choices.append(chosen)
-            particles = self._resample(particles, weighed, chosen, log_weights.resampler, trace.ancestor_rows[t])
-            log_weights.restart(chosen)
+            log_weights.restart(chosen)  # the next step's factor; the systematic resampler takes it too
+            particles = self._resample(particles, weighed, chosen, log_weights, trace.ancestor_rows[t])
         resampled = trace.resampled()
         log_evidence, normaliser = trace.log_evidence(resampled, self.validate)
         return SMCResult(
@@ -214,20 +214,26 @@ class SMC:
             resampled=resampled,
         )
 
-    def _decide(self, ess: torch.Tensor, always: torch.Tensor | None) -> torch.Tensor:
+    def _decide(self, ess: torch.Tensor, always: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, 1]``: 1.0 where a filter resamples (ESS / N below ``ess_threshold``; ``always``
-        at a threshold of 1), else 0.0."""
+        at a threshold of 1), else 0.0; written into ``out`` (``ess``'s shape and dtype) if given."""
         if always is not None:
             return always
         threshold = self.ess_threshold * self.num_particles
-        return torch.lt(ess, threshold, out=torch.empty(ess.shape, device=ess.device, dtype=ess.dtype))
+        if out is None:
+            out = torch.empty(ess.shape, device=ess.device, dtype=ess.dtype)
+        return torch.lt(ess, threshold, out=out)
 
-    def _resample(self, particles, weighed: Weighed, chosen: torch.Tensor, resampler, ancestors_out):
+    def _resample(self, particles, weighed: Weighed, chosen: torch.Tensor, log_weights: LogWeights, ancestors_out):
         """The new particles of the filters that resample (``chosen`` 1.0, ``[B, 1]``), the others
         as they were; the ancestors (the identity in filters that do not resample) are written
-        into ``ancestors_out``. ``resampler``: the run's ``SystematicResampler``, or None."""
+        into ``ancestors_out``. ``log_weights``: the run's, restarted after ``chosen`` (its
+        ``resampler``: the run's ``SystematicResampler``, or None)."""
+        resampler = log_weights.resampler
         if resampler is not None:
-            ancestors = resampler(weighed.weights, weighed.total_value, chosen, self.generator, out=ancestors_out)
+            ancestors = resampler(
+                weighed.weights, weighed.total_value, chosen, self.generator, out=ancestors_out, kept=log_weights.keep
+            )
             return gather(particles, ancestors)  # the identity rows gather themselves
         resampled = chosen.bool()
         B, N = weighed.weights.shape

@@ -114,9 +114,10 @@ class Trace:
         self.totals = []
         self.initial_total = None  # [B]: log sum exp of the weights the run starts from, if not uniform
         # per step [B, 1], 1.0 where the filter resamples, else 0.0 (a number: the resampler and the
-        # next step's weights take it as a factor, with no conversion per step; fresh tensors:
-        # autograd saves them, and a write into a view of one [T, B] buffer would bump the version
-        # they were saved at); stacked after the run
+        # next step's weights take it as a factor, with no conversion per step); stacked after the
+        # run. The filter decides into ``choice_rows``, views of one buffer [T, B] (no allocation
+        # per step): autograd saves no choice (the next weights' factor, 1 - choice, is a fresh
+        # tensor), so later writes into the buffer bump no version it checks
         self.choices = []
         shape = (num_steps, batch, num_particles)
         self.ancestors = torch.empty(shape, device=device, dtype=torch.long) if ancestors == "record" else None
@@ -134,6 +135,7 @@ class Trace:
         self.dtype = dtype
         self.row_maxima, self.ess = self.row_maxima.to(dtype), self.ess.to(dtype)
         self.maxima_rows, self.ess_rows = _columns(self.row_maxima), _columns(self.ess)
+        self.choice_rows = _columns(torch.empty(self.num_steps, self.batch, device=self.device, dtype=dtype))
 
     def resampled(self) -> torch.Tensor:
         """``[T, B]`` bool: where a filter resampled."""

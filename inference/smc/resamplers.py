@@ -71,15 +71,20 @@ class SystematicResampler:
         self.row_sums = row_sums
         self.clamp = not row_sums or N * (N + 4) * eps >= 1
         self.counts = torch.empty(B, N + 1 + (not self.clamp), device=device, dtype=torch.int32)
+        # views a call reads and writes, taken once (a view is an operator call, on every call)
+        self.first_fixed, self.total_fixed = self.fixed.narrow(1, 0, 1), self.fixed.narrow(1, N - 1, 1)
+        self.positions = self.counts.narrow(1, 0, N)
         # materialised: a scatter over an expanded source (stride 0) takes a slower path
         # on CPUs (and an expanded one, or positions written into ``out``, make torch.compile's
         # graph of a filter disagree with eager)
         self.ones = torch.ones(B, N, device=device, dtype=torch.int32)
 
-    def __call__(self, weights, total=None, resampled=None, generator=None, out=None) -> torch.Tensor:
+    def __call__(self, weights, total=None, resampled=None, generator=None, out=None, kept=None) -> torch.Tensor:
         """Ancestors ``[B, N]`` (int64, written into ``out`` if given) for weights ``[B, N]``
         with row sums ``total`` ``[B]`` or ``[B, 1]`` (None: normalised rows). Filters where
-        ``resampled`` (``[B]`` or ``[B, 1]``, bool or 0/1 numbers) is False (0) get the identity."""
+        ``resampled`` (``[B]`` or ``[B, 1]``, bool or 0/1 numbers) is False (0) get the identity.
+        ``kept``: ``1 - resampled`` as numbers ``[B, 1]`` in the steps' dtype, when the caller
+        has it (the filter's next weights take it): one operator fewer."""
         B, N = weights.shape
         unit = float(2**self.shift)
         # the positions are i + 1 - v, v ~ U[0, 1): first_j = floor(N C_j / total + v), v drawn
@@ -93,35 +98,46 @@ class SystematicResampler:
         chosen = None if resampled is None else _column(resampled).to(dtype)
         if self.row_sums and total is not None:
             # totals in [1, N]: the scale N 2**shift / total is finite, one pass
-            total = _column(total.detach())
+            total = _column(_value(total))
             scale = torch.reciprocal(total) if chosen is None else torch.div(chosen, total)
             steps = torch.mul(weights, scale.mul_(N * unit), out=self.steps)
         else:
             # any weights: normalised first (N 2**shift / total overflows float32 for totals
             # below ~1e-20), in the steps' precision (float16 products overflow at 2**16); rows
             # given as normalised are divided by their sums too (int64 overflows at sums ~2)
-            total = weights.sum(-1, keepdim=True, dtype=dtype) if total is None else _column(total.detach())
+            total = weights.sum(-1, keepdim=True, dtype=dtype) if total is None else _column(_value(total))
             steps = torch.div(weights.to(dtype), total.to(dtype), out=self.steps)
             steps.mul_(N * unit if chosen is None else chosen * (N * unit))
-        if chosen is not None:
+        if kept is not None:  # unit * kept is exactly 0 or unit, as unit - unit * chosen is
+            steps.add_(kept, alpha=unit)
+        elif chosen is not None:
             steps.add_(torch.rsub(chosen, unit, alpha=unit))
         fixed = self.fixed.copy_(steps)  # non-negative: truncation is the floor
         # the offset joins the first step: one cumulative sum gives N C_j / total + v
-        fixed.narrow(1, 0, 1).add_(offset)
+        self.first_fixed.add_(offset)
         cumulative = fixed.cumsum_(-1)
         # the last live particle: the first to reach the total (a zero weight adds exactly 0
         # in fixed point), found by a binary search of each row, O(log N)
-        last_live = torch.searchsorted(cumulative, cumulative[:, N - 1 :].contiguous(), out_int32=True)
+        last_live = torch.searchsorted(cumulative, self.total_fixed.contiguous(), out_int32=True)
         first = cumulative.bitwise_right_shift_(self.shift)
-        if self.clamp:
-            first.clamp_(max=N)
-        first.select(1, N - 1).fill_(N)  # the last cumulative weight is the total: every position falls before it
+        if self.clamp:  # and at 0: a NaN row (weights summing to 0) is cast to negative integers
+            first.clamp_(0, N)
         self.counts.zero_().scatter_add_(1, first, self.ones)
-        positions = self.counts.narrow(1, 0, N).cumsum_(-1)
+        positions = self.positions.cumsum_(-1)
         # a position that rounding leaves past the last live particle's end (its cumulative
-        # weight fell short of N) goes to it, never to a particle of weight 0 after it
+        # weight fell short of N) goes to it, never to a particle of weight 0 after it. The
+        # minimum also stands for setting the last particle's first position to N (the total
+        # is the last cumulative weight: every position falls before it): where the last
+        # particle's first position is <= i, so is every particle's (they do not decrease),
+        # and position i counts N or N - 1 particles, both at least last_live (<= N - 1)
         positions = torch.minimum(positions, last_live, out=positions)
         return positions.long() if out is None else out.copy_(positions)
+
+
+def _value(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor without its autograd history; itself when it has none (detach is an
+    operator call)."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def _column(per_filter: torch.Tensor) -> torch.Tensor:
