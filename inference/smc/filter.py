@@ -35,6 +35,7 @@ from inference.smc.resamplers import (
     relaxed_mixing,
     resample_indices,
     select,
+    unchecked_resample_indices,
 )
 
 __all__ = ["SMC", "SMCResult", "RESAMPLERS", "RELAXATIONS", "resample_indices"]
@@ -194,6 +195,9 @@ class SMC:
         if initial is not None:
             log_weights.start_from(initial, trace)
         always = torch.ones(B, 1, device=device, dtype=dtype) if self.ess_threshold >= 1 else None
+        # the ancestors of a filter that does not resample, for the resamplers that select them (the
+        # systematic one gives them by arithmetic)
+        identity = torch.arange(N, device=device).expand(B, N) if resampling and not systematic else None
         for t in range(num_steps):
             particles, increment = _move(step, t, particles, (B, N), device)
             weighed = log_weights.weigh(increment, trace, t)
@@ -202,7 +206,7 @@ class SMC:
             chosen = self._decide(weighed.ess, always, out=trace.choice_rows[t])
             trace.choices.append(chosen)
             log_weights.restart(chosen)  # the next step's factor; the systematic resampler takes it too
-            particles = self._resample(particles, weighed, chosen, log_weights, trace.ancestor_rows[t])
+            particles = self._resample(particles, weighed, chosen, log_weights, trace.ancestor_rows[t], identity)
         resampled = trace.resampled()
         log_evidence, normaliser = trace.log_evidence(resampled, self.validate)
         return SMCResult(
@@ -224,11 +228,13 @@ class SMC:
             out = torch.empty(ess.shape, device=ess.device, dtype=ess.dtype)
         return torch.lt(ess, threshold, out=out)
 
-    def _resample(self, particles, weighed: Weighed, chosen: torch.Tensor, log_weights: LogWeights, ancestors_out):
+    def _resample(
+        self, particles, weighed: Weighed, chosen: torch.Tensor, log_weights: LogWeights, ancestors_out, identity
+    ):
         """The new particles of the filters that resample (``chosen`` 1.0, ``[B, 1]``), the others
-        as they were; the ancestors (the identity in filters that do not resample) are written
-        into ``ancestors_out``. ``log_weights``: the run's, restarted after ``chosen`` (its
-        ``resampler``: the run's ``SystematicResampler``, or None)."""
+        as they were; the ancestors (``identity`` ``[B, N]`` in filters that do not resample) are
+        written into ``ancestors_out``. ``log_weights``: the run's, restarted after ``chosen``
+        (its ``resampler``: the run's ``SystematicResampler``, or None)."""
         resampler = log_weights.resampler
         if resampler is not None:
             ancestors = resampler(
@@ -236,10 +242,8 @@ class SMC:
             )
             return gather(particles, ancestors)  # the identity rows gather themselves
         resampled = chosen.bool()
-        B, N = weighed.weights.shape
-        identity = torch.arange(N, device=weighed.weights.device).expand(B, N)
-        if self.relaxation is None:
-            drawn = resample_indices(weighed.weights / weighed.total.detach(), self.resample, self.generator)
+        if self.relaxation is None:  # the weights are valid: finite, non-negative, the largest 1
+            drawn = unchecked_resample_indices(weighed.weights / weighed.total_value, self.resample, self.generator)
             ancestors = torch.where(resampled, drawn, identity, out=ancestors_out)
             return gather(particles, ancestors)
         log_weights = weighed.relative - weighed.total.log()

@@ -18,6 +18,7 @@ __all__ = [
     "RESAMPLERS",
     "RELAXATIONS",
     "resample_indices",
+    "unchecked_resample_indices",
     "systematic_ancestors",
     "SystematicResampler",
     "relaxed_mixing",
@@ -180,6 +181,12 @@ def resample_indices(weights: torch.Tensor, method: str, generator: torch.Genera
     """Ancestor indices ``[B, N]`` for weights ``[B, N]`` (non-negative, each row with a
     positive sum: a row need not sum to 1)."""
     _check_weights(weights)
+    return unchecked_resample_indices(weights, method, generator)
+
+
+def unchecked_resample_indices(weights: torch.Tensor, method: str, generator=None) -> torch.Tensor:
+    """``resample_indices`` of weights known to be valid (the filter's: finite, non-negative,
+    the largest 1), without the checks (a dozen operators, on every call)."""
     B, N = weights.shape
     if method == "systematic":
         return systematic_ancestors(weights, generator=generator)
