@@ -19,4 +19,6 @@ def test_the_dry_run_counts_the_users_and_the_filters_calls_per_step(tmp_path, c
         assert row["total"] == row["user"] + row["filter"]
         assert sum(row["filter_operators"].values()) == row["filter"]
         assert all(calls == int(calls) for calls in row["filter_operators"].values())  # the same calls every step
+        # on a GPU a step of this model is bound by operator launches: a new call in the step loop is a choice
+        assert row["filter"] <= 31, row["filter_operators"]
     assert "| True |" in capsys.readouterr().out
