@@ -193,12 +193,15 @@ def memory_growth(device: torch.device, sizes: Sizes, deadline=None) -> dict:
     return {"peak_bytes": peaks, "max_deviation_from_linear": deviation}
 
 
-def smc_against_smcfilter(device: torch.device, sizes: Sizes) -> dict:
-    """Particle-steps per second: inference.SMC on the device (float32 tensor callables, all
-    filters as one batch) against pyro.infer.SMCFilter (float64, CPU, one filter at a time)
-    on the same linear-Gaussian model (benchmarks/smc.py's)."""
-    N, T, a, q, r = sizes.smc_particles, sizes.smc_steps, 0.9, 0.5, 0.3
-    generator = torch.Generator(device=device).manual_seed(0)
+SMC_MODEL = (0.9, 0.5, 0.3)  # the linear-Gaussian model's a, q, r: x' = a x + N(0, q), y = x + N(0, r)
+
+
+def smc_run(device: torch.device, sizes: Sizes, generator: torch.Generator):
+    """``(run, ys)``: ``run()`` filters ``sizes.smc_filters`` observation series ``ys`` of the
+    linear-Gaussian model at once with inference.SMC (float32 tensor callables), drawing from
+    ``generator``; it returns the ``SMCResult``."""
+    N, T = sizes.smc_particles, sizes.smc_steps
+    a, q, r = SMC_MODEL
     ys = torch.randn(sizes.smc_filters, T, device=device, generator=generator)
 
     def step(t, x):
@@ -209,13 +212,22 @@ def smc_against_smcfilter(device: torch.device, sizes: Sizes) -> dict:
         return torch.randn(batch, N, device=device, generator=generator)
 
     smc = inference.SMC(N, generator=generator)
-    ours = timed(lambda: smc.filter(init, step, num_steps=T, batch_size=sizes.smc_filters), device, sizes)
+    return (lambda: smc.filter(init, step, num_steps=T, batch_size=sizes.smc_filters)), ys
+
+
+def smc_against_smcfilter(device: torch.device, sizes: Sizes) -> dict:
+    """Particle-steps per second: inference.SMC on the device (float32 tensor callables, all
+    filters as one batch) against pyro.infer.SMCFilter (float64, CPU, one filter at a time)
+    on the same linear-Gaussian model (benchmarks/smc.py's)."""
+    N, T = sizes.smc_particles, sizes.smc_steps
+    run, ys = smc_run(device, sizes, torch.Generator(device=device).manual_seed(0))
+    ours = timed(run, device, sizes)
     result = {"ours_particle_steps_per_s": sizes.smc_filters * N * T / ours}
     try:
         import pyro  # noqa: F401  (carried as a wheel to the GPU machine)
     except ImportError:
         return {**result, "smcfilter": "pyro-ppl is not installed: carry its wheel (docs/benchmarks.md)"}
-    pyro_seconds = timed(lambda: _run_smcfilter(ys.double().cpu(), sizes, a, q, r), torch.device("cpu"), sizes)
+    pyro_seconds = timed(lambda: _run_smcfilter(ys.double().cpu(), sizes, *SMC_MODEL), torch.device("cpu"), sizes)
     theirs = sizes.pyro_filters * N * T / pyro_seconds
     return {**result, "smcfilter_particle_steps_per_s": theirs, "ratio": result["ours_particle_steps_per_s"] / theirs}
 

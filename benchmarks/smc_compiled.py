@@ -1,0 +1,130 @@
+"""The SMC filter eager against torch.compile'd, the GPU check's model and sizes, in one process.
+
+    python3 -m benchmarks.smc_compiled --device cuda                       # on the GPU machine
+    python3 -m benchmarks.smc_compiled --device cpu --tiny --backend aot_eager   # the dry run (make test)
+
+On a GPU the eager filter is launch-bound: a few dozen small kernels per step (docs/benchmarks.md,
+"SMC: aten calls per filter step"). Compiled, a run of ``--steps`` steps becomes a few graphs
+per step (the model draws from torch's global generator: a ``torch.Generator`` argument would
+break Dynamo's graph at every draw; the systematic resampler's in-place minimum into a view
+still breaks it), so inductor fuses the elementwise passes within each, and
+``reduce-overhead`` replays them as CUDA graphs. The graphs a variant compiled are counted.
+Compiled runs draw other random numbers than eager ones, so each variant is checked against
+the Kalman filter's exact log evidence of the same observations: the mean error over the
+filters and its standard error.
+
+Variants: ``eager``, ``compiled`` (``--backend``, default mode) and, on CUDA,
+``reduce-overhead``. One JSON line per variant goes to ``--out``, with the compile seconds
+(the first call) and the particle-steps per second after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.getcwd())  # the tree it is run in, not an installed copy
+import torch  # noqa: E402
+
+import inference  # noqa: E402
+from benchmarks import gpu_check_stages as stages  # noqa: E402
+
+
+def kalman_log_evidence(ys: torch.Tensor, a: float, q: float, r: float) -> torch.Tensor:
+    """``[F]`` exact log p(y_1..T) of each series under x_0 ~ N(0, 1), x_t = a x_(t-1) + N(0, q),
+    y_t = x_t + N(0, r), plus ``T/2 log(2 pi r)``: the filter's weights leave out the
+    observation density's constant."""
+    ys = ys.double().cpu()
+    mean, variance = torch.zeros(ys.shape[0], dtype=torch.float64), torch.ones(ys.shape[0], dtype=torch.float64)
+    total = torch.zeros_like(mean)
+    for t in range(ys.shape[1]):
+        mean, variance = a * mean, a * a * variance + q
+        spread = variance + r
+        total -= 0.5 * (torch.log(2 * math.pi * spread) + (ys[:, t] - mean) ** 2 / spread)
+        gain = variance / spread
+        mean, variance = mean + gain * (ys[:, t] - mean), (1 - gain) * variance
+    return total + 0.5 * ys.shape[1] * math.log(2 * math.pi * r)
+
+
+def filter_run(device: torch.device, sizes: stages.Sizes):
+    """``(run, ys)``: the GPU check's filter (``stages.smc_run``'s model), drawing from torch's
+    global generator, ``validate=False`` (no host read at the end either)."""
+    N, T = sizes.smc_particles, sizes.smc_steps
+    a, q, r = stages.SMC_MODEL
+    ys = torch.randn(sizes.smc_filters, T, device=device)
+
+    def step(t, x):
+        x = a * x + q**0.5 * torch.randn(x.shape, device=device)
+        return x, -0.5 / r * (ys[:, t, None] - x) ** 2
+
+    def init(batch):
+        return torch.randn(batch, N, device=device)
+
+    smc = inference.SMC(N, validate=False)
+    return (lambda: smc.filter(init, step, num_steps=T, batch_size=sizes.smc_filters).log_evidence), ys
+
+
+def measure(name: str, run, exact: torch.Tensor, device: torch.device, sizes: stages.Sizes) -> dict:
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    run()  # the first call compiles
+    stages.synchronise(device)
+    first = time.perf_counter() - started
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    seconds = stages.timed(run, device, sizes)
+    errors = (run().double().cpu() - exact).tolist()
+    particle_steps = sizes.smc_filters * sizes.smc_particles * sizes.smc_steps
+    return {
+        "variant": name,
+        "first_call_s": round(first, 3),
+        "graphs": graphs,
+        "run_s": seconds,
+        "particle_steps_per_s": particle_steps / seconds,
+        "log_evidence_error_mean": statistics.mean(errors),
+        "log_evidence_error_se": statistics.stdev(errors) / math.sqrt(len(errors)) if len(errors) > 1 else None,
+    }
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the GPU check's)")
+    parser.add_argument("--tiny", action="store_true", help="the CPU dry run's sizes")
+    parser.add_argument("--out", default="smc_compiled.jsonl")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    sizes = stages.TINY if args.tiny else stages.Sizes()
+    if args.steps is not None:
+        if args.steps < 1:
+            parser.error(f"--steps must be at least 1, got {args.steps}")
+        sizes = replace(sizes, smc_steps=args.steps)
+    torch.manual_seed(0)
+    run, ys = filter_run(device, sizes)
+    exact = kalman_log_evidence(ys, *stages.SMC_MODEL)
+    variants = {"eager": run, "compiled": torch.compile(run, backend=args.backend)}
+    if device.type == "cuda":
+        variants["reduce-overhead"] = torch.compile(run, backend=args.backend, mode="reduce-overhead")
+    lines = []
+    for name, variant in variants.items():
+        try:
+            line = measure(name, variant, exact, device, sizes)
+        except Exception as error:  # a variant that fails is recorded; the others still run
+            line = {"variant": name, "error": f"{type(error).__name__}: {error}"[:300]}
+        line.update(device=str(device), backend=args.backend, filters=sizes.smc_filters,
+                    particles=sizes.smc_particles, steps=sizes.smc_steps)  # fmt: skip
+        print(json.dumps(line), flush=True)
+        lines.append(line)
+        with open(args.out, "a") as out:
+            out.write(json.dumps(line) + "\n")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
