@@ -12,7 +12,8 @@ and device, cached: a band's blocks are computed from its offsets alone (a block
 one range of 2 * 128 - 1 offsets, ``O(K n / 128)`` work), another topology's from its token
 table, one group at a time. Per batch, once per ``HeadStructure`` (every iteration and the
 ELBO reuse it): a block is full only where every node of its rows and columns exists in
-every sentence; padding leaves it partial, where the mask_mod decides. Blocks touching a virtual node or the padded end are always partial.
+every sentence; padding leaves it partial, where the mask_mod decides. Blocks touching a
+virtual node or the padded end are always partial.
 """
 
 from __future__ import annotations
