@@ -95,15 +95,16 @@ def final_against_the_paper(rows: list[dict], pt: str, bert: str = "bert-small")
     behind = "PT" if ahead == "BERT" else "BERT"
     percent = 100 * (max(pt_mean, bert_mean) / min(pt_mean, bert_mean) - 1)
     spreads = [sd for sd in (pt_sd, bert_sd) if sd is not None]
-    noise = (
-        f"; the gap is no larger than a seed's standard deviation ({ppl(max(spreads), decimals=2)}): "
-        f"too small to rank with {sum(r['config'] == pt for r in rows)} seeds"
-        if spreads and abs(pt_mean - bert_mean) <= max(spreads)
-        else ""
-    )
+    if spreads and abs(pt_mean - bert_mean) <= max(spreads):  # a gap this small agrees with no ranking
+        noise = (
+            f"; the gap is no larger than a seed's standard deviation ({ppl(max(spreads), decimals=2)}): "
+            f"too small to rank with {sum(r['config'] == pt for r in rows)} seeds"
+        )
+        stands = f"neither is clearly ahead, where {PAPER}"
+    else:
+        noise, stands = "", verdict(ahead)
     return (
-        f"{pt}, final: {ahead} is ahead, {behind}'s best perplexity {percent:.1f}% higher ({figures}){noise}: "
-        f"{verdict(ahead)}."
+        f"{pt}, final: {ahead} is ahead, {behind}'s best perplexity {percent:.1f}% higher ({figures}){noise}: {stands}."
     )
 
 

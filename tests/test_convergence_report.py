@@ -289,10 +289,14 @@ def test_a_tie_names_no_leader_finished_or_in_progress(tmp_path):
 
 def test_a_gap_within_the_seeds_spread_ranks_neither_clearly(tmp_path):
     text = study_report(tmp_path, default_curves(bert_small_s0=[300.0, 146.0], bert_small_s1=[300.0, 147.0]))
-    assert "- pt-small, final: PT is ahead, BERT's best perplexity 1.0% higher" in text
+    [line] = [line for line in text.splitlines() if line.startswith("- pt-small, final:")]
+    assert line.startswith("- pt-small, final: PT is ahead, BERT's best perplexity 1.0% higher")
+    # a gap the report calls too small to rank neither agrees with the paper's ranking nor reverses it
     assert (
-        "no larger than a seed's standard deviation (7.07): too small to rank with 2 seeds: this is the reverse" in text
+        "no larger than a seed's standard deviation (7.07): too small to rank with 2 seeds: neither is clearly "
+        "ahead, where the PT paper's converged ranking" in line
     )
+    assert "reverse" not in line and "agrees" not in line
 
 
 @given(st.lists(st.tuples(st.floats(1.0, 1e5), st.booleans()), min_size=1, max_size=5))
