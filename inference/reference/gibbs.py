@@ -331,10 +331,10 @@ def _extra_term(factor, tokens, mask, nodes, dtype):
         with torch.no_grad():
             value = factor.log_potential(flat, inputs, mask.repeat(repeat, 1))
         total = value.double().reshape(*lead, -1).sum(-1).numpy()
-        high = total.astype(np.float32)
-        if not np.isfinite(high).all() and np.isfinite(total).all():
+        parts = _as_two_float32(total)
+        if (np.isfinite(total) & ~np.isfinite(parts[..., 0])).any():
             raise ValueError(f"{type(factor).__name__}.log_potential: a batch total beyond float32's range")
-        return np.stack([high, (total - high).astype(np.float32)], axis=-1)
+        return parts
 
     def user(z):
         # XLA runs the callback on its own threads, where the thread-local float64 switch is
@@ -344,3 +344,12 @@ def _extra_term(factor, tokens, mask, nodes, dtype):
         return parts[..., 0].astype(dtype) + parts[..., 1].astype(dtype)
 
     return user
+
+
+def _as_two_float32(total: np.ndarray) -> np.ndarray:
+    """float64 ``total`` [...] as float32 ``[..., 2]``, high and low, whose float64 sum is
+    ``total`` to 2**-48 of it; an infinite total (a zero potential: -inf) is (total, 0), not
+    (inf, inf - inf = NaN)."""
+    high = total.astype(np.float32)
+    low = np.subtract(total, high, out=np.zeros_like(total), where=np.isfinite(high))
+    return np.stack([high, low.astype(np.float32)], axis=-1)

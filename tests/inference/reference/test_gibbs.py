@@ -1,9 +1,13 @@
 """Gibbs (inference.reference.gibbs): marginals agree with Exact within four standard errors,
 reproducible draws, user factors compiled, and refusals."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import graphs
 import inference
@@ -177,3 +181,43 @@ def test_gibbs_of_a_float64_crf_with_large_potentials_keeps_its_precision():
     result = inference.Gibbs(crf, num_samples=1000, num_warmup=200, num_chains=4, seed=0).sample(tokens, mask)
     error = (result.marginals.z - expected).abs()
     assert (error <= 4 * result.standard_error.z + 1e-9).all(), (error, result.standard_error.z)
+
+
+class NoTwoOnes(graphs.Factor):
+    """A hard constraint, written here: log phi = -inf where the first two labels are both 1."""
+
+    def log_potential(self, z, tokens, mask):
+        return torch.where((z[:, 0] == 1) & (z[:, 1] == 1), -math.inf, 0.0)
+
+
+def test_a_user_factors_zero_potential_reaches_jax_as_minus_infinity_not_nan():
+    """A batch total of -inf (a labelling the factor forbids) comes back through the two float32
+    halves as -inf, as its float64 would, with no NaN (inf - inf) and no warning; a finite total
+    beside it in the same call keeps its float64 value."""
+    import warnings
+
+    import jax
+
+    from inference.reference.gibbs import _extra_term
+
+    tokens, mask = torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.bool)
+    user = _extra_term(NoTwoOnes(), tokens, mask, torch.ones(1, 3, dtype=torch.bool), np.float64)
+    z = np.array([[[1, 1, 0]], [[1, 0, 1]]])  # [2 (a vmapped axis), B = 1, N = 3]: forbidden, allowed
+    with jax.enable_x64(True), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        totals = np.asarray(jax.vmap(user)(z))
+    assert totals.tolist() == [-math.inf, 0.0]
+
+
+@given(st.floats(-3e38, 3e38, allow_nan=False) | st.sampled_from([-math.inf, math.inf]))
+def test_a_float64_total_survives_its_two_float32_halves(total):
+    from inference.reference.gibbs import _as_two_float32
+
+    with np.errstate(invalid="raise"):  # no invalid operation (inf - inf) on the way
+        parts = _as_two_float32(np.array([total]))
+    assert parts.dtype == np.float32 and parts.shape == (1, 2)
+    back = float(parts[0, 0]) + float(parts[0, 1])
+    if math.isinf(total):
+        assert back == total
+    else:
+        assert abs(back - total) <= 2.0**-47 * abs(total) + 2.0**-149  # float32 alone: 2**-24
