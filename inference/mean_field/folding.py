@@ -34,7 +34,7 @@ from inference.mean_field.engine import MeanField
 __all__ = ["Folded", "FoldState", "SegmentStreamState", "segment_stream", "check_state", "check_segment"]
 
 
-@dataclass
+@dataclass(kw_only=True)  # keywords only: a subclass's fields follow these, so positions would mislead
 class SegmentStreamState:
     """What every stream over segments keeps between chunks, read and written by
     ``segment_stream``: the tokens of a segment not yet complete and how far the stream
@@ -105,7 +105,7 @@ def check_segment(tokens, mask, yielded, vocab_size: int, device) -> tuple[torch
     return tokens, mask
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FoldState(SegmentStreamState):
     """All a stream keeps between chunks; no tensor here has an axis longer than l."""
 

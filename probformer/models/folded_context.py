@@ -59,7 +59,7 @@ class FoldedContextConfig(ConfigMixin):
         self.check_flags("folded")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FoldedStreamState(SegmentStreamState):
     """What a stream keeps between chunks: no tensor here has an axis longer than l."""
 

@@ -75,3 +75,15 @@ def test_a_fresh_state_without_a_mask_gives_the_streams_first_segment():
         expected = next(iter(FOLDED.stream([TOKENS])))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert state.position == LENGTH and state.memory_logits is not None
+
+
+def test_a_stream_state_is_built_by_keyword_only():
+    """The states share their pending fields from one base, which come first: a positional
+    argument would fill a pending field where the memory was meant, so none is accepted."""
+    memory = torch.zeros(1, 2, 3)
+    with pytest.raises(TypeError):
+        inference.FoldState(memory)
+    with pytest.raises(TypeError):
+        FoldedStreamState(memory)
+    assert inference.FoldState(memory_logits=memory).memory_logits is memory
+    assert FoldedStreamState(memory=memory).memory is memory
