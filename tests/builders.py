@@ -224,16 +224,19 @@ def padded_token_batch(size=3, length=9, seed=0):
 def head_structure_of(crf, mask, with_topology: bool = False):
     """The kernels' view of a batch, built from the CRF's own masks (no input checks, so
     whole padded sentences get through); ``with_topology``: the topology too (where a
-    kernel reads its data, such as a segment length), beside its table."""
+    kernel reads its data, such as a segment length), beside its table. A topology whose rows
+    have token arcs of their own length gets each row's table (``[B, n, n]``)."""
     n = mask.shape[1]
+    arcs = crf.arc_mask(mask)
+    token_arcs = arcs[:, :n, :n] if crf.topology.row_tokens else crf.topology.mask(n, mask.device)[:n, :n]
     return HeadStructure(
         n=n,
         gamma=crf.gamma,
         cuts=crf.distance_cuts,
         groups=crf.distance_groups(n, mask.device),
-        arcs=crf.arc_mask(mask),
+        arcs=arcs,
         nodes=crf.node_mask(mask),
-        token_arcs=crf.topology.mask(n, mask.device)[:n, :n],
+        token_arcs=token_arcs,
         band=crf.topology.band,
         topology=crf.topology if with_topology else None,
     )

@@ -208,7 +208,7 @@ def _flex(query, key, value, value_rev, scale: float, structure: HeadStructure, 
 
     forward_mask, reverse_mask = block_masks(structure, K, C, _MASK_BLOCK)
     # the topology's kind: what the mask_mods hold as constants (lengths are tensors there)
-    kind = (structure.band, structure.bucket_cuts, structure.gamma, structure.virtual)
+    kind = (structure.band, structure.bucket_cuts, structure.gamma, structure.virtual, structure.row_tokens)
     key_h = heads(key)
     # the scale goes into the queries (any finite scale, 0 included)
     values = heads(value) if messages else key_h

@@ -6,14 +6,18 @@ topology's band (or its cached token table ``[n, n]``), the nodes ``[B, N]`` and
 touching virtual nodes (``HeadStructure.border``); never from ``[B, N, N]`` arcs. Lengths
 enter as 0-d tensors, not Python numbers, so a compiled kernel does not specialise on them.
 
+A topology whose rows have token arcs of their own length (``HeadStructure.row_tokens``) is
+read from its table per row ``[B, n, n]`` bool, O(B n^2) bytes: not memory-linear.
+
 The block metadata (which blocks, 128 x 128 unless ``block_masks`` is given another size,
 hold some arc of a group, which hold only arcs) comes in two steps. Per topology, length
 and device, cached: a band's blocks are computed from its offsets alone (a block pair sees
 one range of 2 * 128 - 1 offsets, ``O(K n / 128)`` work), another topology's from its token
-table, one group at a time. Per batch, once per ``HeadStructure`` (every iteration and the
-ELBO reuse it): a block is full only where every node of its rows and columns exists in
-every sentence; padding leaves it partial, where the mask_mod decides. Blocks touching a
-virtual node or the padded end are always partial.
+table, one group at a time (a table per row: each row's blocks, per batch). Per batch, once
+per ``HeadStructure`` (every iteration and the ELBO reuse it): a block is full only where
+every node of its rows and columns exists in every sentence; padding leaves it partial,
+where the mask_mod decides. Blocks touching a virtual node or the padded end are always
+partial.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def _offset_group(offset, cuts: tuple[int, ...], gamma: int):
 def _arc_rule(structure: HeadStructure):
     """``arc(b, q, kv)``: is q -> kv an arc of sentence b (bool tensors, index arithmetic only)."""
     nodes, table, band, m = structure.nodes, structure.token_arcs, structure.band, structure.virtual
+    per_row = structure.row_tokens  # a table per row, [B, n, n]
     # a tensor, so no recompile per length; filled on the device (torch.tensor would copy a
     # host scalar over, a host synchronisation on CUDA, once per batch)
     n = torch.full((), structure.n, dtype=torch.int64, device=nodes.device)
@@ -61,7 +66,7 @@ def _arc_rule(structure: HeadStructure):
     def arc(b, q, kv):
         qc, kc = torch.minimum(q, n - 1), torch.minimum(kv, n - 1)
         if band is None:
-            token = table[qc, kc]
+            token = table[b, qc, kc] if per_row else table[qc, kc]
         else:
             token = kv != q
             if band[0] != float("inf"):
@@ -129,9 +134,11 @@ def _with_edges(some, every, n: int, size: int, virtual_group: int | None, block
 
 
 def _table_blocks(structure: HeadStructure, groups: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same from a token table (any topology), one group at a time; kept per table."""
+    """The same from a token table (any topology), one group at a time; kept per table. A
+    table per row (``[B, n, n]``, a batch's own: not kept) gives each row its blocks,
+    ``[B, K, nb, nb]``."""
     table, n, size = structure.token_arcs, structure.n, structure.nodes.shape[1]
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if table.dim() == 3 or torch.compiler.is_compiling() or torch.compiler.is_exporting():
         key = None
     else:
         key = (table.data_ptr(), tuple(table.shape), table.stride(), table.device, size, structure.gamma,
@@ -142,13 +149,15 @@ def _table_blocks(structure: HeadStructure, groups: int, block: int) -> tuple[to
     nb = -(-size // block)
     token_groups = distance_groups(n, structure.gamma, 0, table.device, structure.cuts)
     some, every = [], []
-    for k in range(groups):  # one [n, n] temporary at a time, once per table
+    for k in range(groups):  # one [n, n] temporary at a time (one per row for a table per row), once per table
         arcs_k = F.pad((table & (token_groups == k)).to(torch.uint8), (0, nb * block - n, 0, nb * block - n))
-        arcs_k = arcs_k.view(nb, block, nb, block)
-        some.append(arcs_k.amax((1, 3)) > 0)
-        every.append(arcs_k.amin((1, 3)) > 0)
+        arcs_k = arcs_k.view(*table.shape[:-2], nb, block, nb, block)
+        some.append(arcs_k.amax((-3, -1)) > 0)
+        every.append(arcs_k.amin((-3, -1)) > 0)
     virtual_group = groups - 1 if size > n else None
     blocks = _with_edges(torch.stack(some), torch.stack(every), n, size, virtual_group, block)
+    if table.dim() == 3:  # [K, B, nb, nb] -> each row's [B, K, nb, nb]
+        return tuple(flags.transpose(0, 1) for flags in blocks)
     if key is None:
         return blocks
     _TABLE_BLOCKS[key] = (table, blocks)  # holds the table: its address is not reused while kept
@@ -169,7 +178,8 @@ def _topology_blocks(structure: HeadStructure, groups: int, block: int):
 
 
 def _block_mask(some, every, channels: int, mask_mod, size: int, block: int) -> BlockMask:
-    """A BlockMask over heads h = c * K + k from per-group block flags ``[1, K, nb, nb]``."""
+    """A BlockMask over heads h = c * K + k from per-group block flags ``[1, K, nb, nb]`` (or
+    ``[B, K, nb, nb]``, each row's own)."""
 
     def ordered(blocks: torch.Tensor):
         blocks = blocks.to(torch.int32).repeat(1, channels, 1, 1)
@@ -201,10 +211,10 @@ def block_masks(
         whole = nodes.view(nodes.shape[0], nb, block).all(-1).all(0)  # [nb]
         every = every & whole[:, None] & whole[None, :]
         forward_mod, reverse_mod = _mask_mods(structure, groups)
+        if some.dim() == 3:  # one set of blocks for every row (else each row's own, [B, K, nb, nb])
+            some, every = some[None], every[None]
         structure.cache[key] = (
-            _block_mask(some[None], every[None], channels, forward_mod, size, block),
-            _block_mask(
-                some.transpose(-1, -2)[None], every.transpose(-1, -2)[None], channels, reverse_mod, size, block
-            ),
+            _block_mask(some, every, channels, forward_mod, size, block),
+            _block_mask(some.transpose(-1, -2), every.transpose(-1, -2), channels, reverse_mod, size, block),
         )
     return structure.cache[key]

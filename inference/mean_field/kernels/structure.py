@@ -5,11 +5,14 @@ and the head messages (``HeadMessages``). The kernels (``inference.mean_field.ke
 Memory: a structure holds O(B N) per batch. The token arcs are the topology's rule of
 positions (``graphs.Topology.token_rule``), asked for the blocks a kernel reads, or its own
 table (``token_arcs [n, n]``, cached once per (topology, n, device) by ``graphs.Topology.mask``,
-built on first read where a kernel needs it whole),
+built on first read where a kernel needs it whole); a topology whose rows have token arcs of
+their own length (``graphs.Topology.row_tokens``) has one table per row instead,
+``[B, n, n]`` bool, a view of its ``[B, N, N]`` arcs: O(B N^2) bytes, not linear in n;
 the arcs touching virtual nodes are ``border`` (``[B, n, m]`` and ``[B, m, N]``), and the rows
 with a legal head (``has_head``) are counted from prefix sums over the nodes on a band
 topology. The ``[B, N, N]`` arcs and the ``[N, N]`` distance groups are built only when a
-kernel that materialises them (the naive one, the explicit ELBO) reads them, once.
+kernel that materialises them (the naive one, the explicit ELBO) or a row's own token table
+reads them, once.
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ class HeadStructure:
     Args:
         n: tokens; gamma, cuts: the distance buckets (``cuts`` None: 2 .. gamma + 1).
         nodes: ``[B, N]`` bool, the nodes each row has (tokens, then the m virtual nodes).
-        token_arcs: ``[n, n]`` bool, the topology alone between tokens, or None: the
-            topology's rule answers for the blocks a kernel reads (its table is built on
-            first read of ``token_arcs``).
+        token_arcs: ``[n, n]`` bool, the topology alone between tokens; ``[B, n, n]``, each
+            row's own (``row_tokens``); or None: the topology's rule answers for the blocks a
+            kernel reads (its table is built on first read of ``token_arcs``; a topology with
+            ``row_tokens`` gets each row's from ``arcs``).
         groups: ``[N, N]`` long distance groups, or None (built on first read).
         arcs: ``[B, N, N]`` bool (topology and existing nodes), or None (built on first read
             from the token table, the nodes and ``border``).
@@ -110,13 +114,26 @@ class HeadStructure:
         return self.nodes.shape[1] - self.n
 
     @property
+    def row_tokens(self) -> bool:
+        """Whether each row has token arcs of its own (``token_arcs [B, n, n]``): a topology
+        whose arcs depend on the row's real length (``graphs.Topology.row_tokens``)."""
+        if self._token_arcs is not None:
+            return self._token_arcs.dim() == 3
+        return self.topology.row_tokens
+
+    @property
     def token_arcs(self) -> torch.Tensor:
         """``[n, n]`` bool: the topology alone between tokens (the table: built on first read
-        when the structure was given the topology's rule)."""
+        when the structure was given the topology's rule); ``[B, n, n]`` where each row has its
+        own (``row_tokens``: a view of ``arcs``, so between existing tokens only)."""
         if self._token_arcs is not None:
             return self._token_arcs
         if self._table_built is None:  # built once; the rule stays what the other kernels ask
-            self._table_built = self.topology.mask(self.n, self.nodes.device)[: self.n, : self.n]
+            n = self.n
+            if self.topology.row_tokens:
+                self._table_built = self.arcs[:, :n, :n]
+            else:
+                self._table_built = self.topology.mask(n, self.nodes.device)[:n, :n]
         return self._table_built
 
     @property
@@ -132,7 +149,7 @@ class HeadStructure:
         there is one, else the ``[n, n]`` table; ``transposed``: of the reversed arcs (j -> i)."""
         if self.token_rule is not None:
             return self.topology.token_rule_transposed if transposed else self.token_rule
-        return self.token_arcs.transpose(0, 1) if transposed else self.token_arcs
+        return self.token_arcs.transpose(-2, -1) if transposed else self.token_arcs
 
     @property
     def groups(self) -> torch.Tensor:
@@ -147,7 +164,10 @@ class HeadStructure:
         """``[B, N, N]`` bool: the topology's arcs between existing nodes (built on first read)."""
         if self._arcs is None:
             n, nodes = self.n, self.nodes
-            tokens = self.token_arcs[None] & nodes[:, :n, None] & nodes[:, None, :n]
+            if self._token_arcs is None and self.topology.row_tokens:  # each row's own, from its real length
+                self._arcs = self.topology.arcs(nodes[:, :n])
+                return self._arcs
+            tokens = self.token_arcs & nodes[:, :n, None] & nodes[:, None, :n]  # one table, or one per row
             to_virtual, virtual_rows = self.border
             self._arcs = torch.cat([torch.cat([tokens, to_virtual], -1), virtual_rows], 1)
         return self._arcs
@@ -163,8 +183,8 @@ class HeadStructure:
         virtual node."""
         if self._border is None:
             n, nodes = self.n, self.nodes
-            if self._arcs is not None:
-                self._border = (self._arcs[:, :n, n:], self._arcs[:, n:, :])
+            if self._arcs is not None or (self._token_arcs is None and self.topology.row_tokens):
+                self._border = (self.arcs[:, :n, n:], self.arcs[:, n:, :])  # given, or built from each row's length
             elif self.virtual == 0:
                 self._border = (nodes.new_zeros(nodes.shape[0], n, 0), nodes.new_zeros(nodes.shape[0], 0, n))
             else:
@@ -181,9 +201,9 @@ class HeadStructure:
         if self.token_rule is not None:
             rows = torch.arange(lo, hi, device=nodes.device)
             arcs = self.token_rule(rows, rows + offset)
-        else:
-            arcs = self.token_arcs.diagonal(offset)
-        return arcs[None] & nodes[:, lo:hi] & nodes[:, lo + offset : hi + offset]
+        else:  # [n - |offset|], or [B, n - |offset|] from each row's own table
+            arcs = self.token_arcs.diagonal(offset, dim1=-2, dim2=-1)
+        return arcs & nodes[:, lo:hi] & nodes[:, lo + offset : hi + offset]
 
     @property
     def has_head(self) -> torch.Tensor:
@@ -201,7 +221,8 @@ class HeadStructure:
         """``[B, n]``: token rows with a token head. A band: counted from prefix sums of the
         nodes (O(B n)); a rule: a block of rows at a time against the heads it can reach (its
         own and the previous segment for ``segments(l)``: O(B n l); every token otherwise);
-        any other table: one product with a float copy of it, kept per table."""
+        any other table: one product with a float copy of it, kept per table (a table per
+        row: its rows' heads among the row's tokens)."""
         n, real = self.n, self.nodes[:, : self.n]
         if self.band is not None:
             left, right = band_limits(self.band, n)
@@ -218,6 +239,8 @@ class HeadStructure:
                 allowed = self.token_rule(rows[:, None], heads[None, :]).to(torch.float32)  # [rows, heads]
                 found.append((weights[:, start:stop] @ allowed.T) > 0.5)  # [B, rows]
             return real & torch.cat(found, 1)
+        if self.row_tokens:  # each row's own table, O(B n^2) bytes already
+            return real & (self.token_arcs & real[:, None, :]).any(-1)
         table = _float_table(self.token_arcs)
         return real & ((real.to(table.dtype) @ table.T) > 0.5)
 

@@ -2,8 +2,9 @@
 
 Row i attends over the keys at token offset ``shift`` or more on one side -- ``"left"``:
 j <= i - shift, ``"right"``: j >= i + shift -- optionally also within a ``token_mask
-[n, n]``, with logit ``scale q_i . k_j + key_bias_j``. It returns the attention output and
-the row log-normaliser, both differentiable (the lse too: the reverse messages divide by it).
+[n, n]`` (or ``[B, n, n]``, each row's own), with logit ``scale q_i . k_j + key_bias_j``. It
+returns the attention output and the row log-normaliser, both differentiable (the lse too:
+the reverse messages divide by it).
 
 Layout: every tensor is token-major, ``[B, n, C, r]`` (one group of the projections, read in
 place), and so is the output; the CPU flash-attention op reads and
@@ -25,7 +26,9 @@ reach for ``window(w)``, the segment length of ``segments(l)``) bounds each row'
 further: a block then reads its rows plus the span (O(n w) work for a window, O(n l) for
 segments), smaller blocks for a narrower span. The block masks of an unmasked side are
 windows of one strip ``[block, n + block]`` (memory linear in n); a ``token_mask`` gets its
-rows' slice per block (the span is only where to look: the mask decides every arc). A block
+rows' slice per block (the span is only where to look: the mask decides every arc). A mask
+per row (``[B, n, n]``) gives each block a mask ``[B, 1, rows, keys]``, made where the block is
+read, forward and backward, and dropped after: the bool table is all it keeps (O(B n^2) bytes). A block
 whose keys do not reach a sink leaves a row with no key at out = an average of masked
 values and lse ~ ``ABSENT``, which the kernel's log-sum-exp merge weighs by exactly 0.
 
@@ -34,6 +37,7 @@ Off the CPU (or without the op) the same attention is materialised (correct, O(n
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -102,7 +106,8 @@ def _augmented(q, k, v, key_bias, scale: float, shift: int, side: str):
 
 
 def _visible(rows: torch.Tensor, keys: torch.Tensor, n: int, shift: int, side: str, token_mask) -> torch.Tensor:
-    """Bool ``[len(rows), len(keys)]``: may row i see augmented key t (sinks included)?"""
+    """Bool ``[len(rows), len(keys)]``: may row i see augmented key t (sinks included)?
+    ``[B, len(rows), len(keys)]`` for a token mask per row (``[B, n, n]``)."""
     rows, keys = rows[:, None], keys[None, :]
     if side == "left":  # key t is token t - shift; the sinks are t < shift
         visible, token = keys <= rows, keys - shift
@@ -112,7 +117,10 @@ def _visible(rows: torch.Tensor, keys: torch.Tensor, n: int, shift: int, side: s
         is_token = token < n
     if token_mask is not None:  # the table, or the topology's rule of positions
         token = token.clamp(0, n - 1)
-        allowed = token_mask[rows, token] if isinstance(token_mask, torch.Tensor) else token_mask(rows, token)
+        if not isinstance(token_mask, torch.Tensor):
+            allowed = token_mask(rows, token)
+        else:  # one table, or one per row
+            allowed = token_mask[rows, token] if token_mask.dim() == 2 else token_mask[:, rows, token]
         visible = visible & (allowed | ~is_token)
     return visible
 
@@ -183,8 +191,10 @@ _BLOCKS_KEPT = 16
 
 def _blocks(n: int, shift: int, side: str, token_mask, dtype, device, span: KeySpan = UNBOUNDED):
     """``[(rows, keys, mask [1, 1, rows, keys])]``, one per query block, as slices; those of a
-    token mask kept for the mask's lifetime in a small cache."""
-    if token_mask is None or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    token mask kept for the mask's lifetime in a small cache. A mask per row (a batch's own)
+    is not kept: its blocks hold no mask but the way to make it (``_mask_of``)."""
+    per_row = isinstance(token_mask, torch.Tensor) and token_mask.dim() == 3
+    if token_mask is None or per_row or torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return _build_blocks(n, shift, side, token_mask, dtype, device, span)
     if isinstance(token_mask, torch.Tensor):
         layout = (token_mask.data_ptr(), tuple(token_mask.shape), token_mask.stride(), token_mask.device)
@@ -206,6 +216,7 @@ def _build_blocks(n: int, shift: int, side: str, token_mask, dtype, device, span
         return [(slice(0, n), slice(0, n), None)]
     if token_mask is None and span.bounded:
         raise ValueError("a bounded key span needs the token mask that decides each arc")
+    per_row = isinstance(token_mask, torch.Tensor) and token_mask.dim() == 3  # its masks made where read
     size = span.rows_per_block(n) if span.bounded else query_block(n)
     starts = range(0, n, size)
     if token_mask is None:  # every block's mask is a window of one strip
@@ -221,13 +232,26 @@ def _build_blocks(n: int, shift: int, side: str, token_mask, dtype, device, span
         keys = _key_slice(lo, hi, n, shift, side, span)
         if token_mask is None:
             columns = slice(n - lo, n - lo + hi) if side == "left" else slice(0, n - lo)
-            mask = strip[: hi - lo, columns]
+            mask = strip[: hi - lo, columns][None, None]
         else:
-            rows = torch.arange(lo, hi, device=device)
-            visible = _visible(rows, torch.arange(keys.start, keys.stop, device=device), n, shift, side, token_mask)
-            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, ABSENT)
-        blocks.append((slice(lo, hi), keys, mask[None, None]))
+            block = (slice(lo, hi), keys, n, shift, side, token_mask, dtype, device)
+            mask = functools.partial(_block_mask, *block) if per_row else _block_mask(*block)
+        blocks.append((slice(lo, hi), keys, mask))
     return blocks
+
+
+def _block_mask(rows: slice, keys: slice, n: int, shift: int, side: str, token_mask, dtype, device) -> torch.Tensor:
+    """The additive mask of one block: ``[1, 1, rows, keys]``, or ``[B, 1, rows, keys]`` for a
+    token mask per row (0 where visible, ``ABSENT`` elsewhere)."""
+    rows, keys = (torch.arange(s.start, s.stop, device=device) for s in (rows, keys))
+    visible = _visible(rows, keys, n, shift, side, token_mask)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, ABSENT)
+    return mask[None, None] if mask.dim() == 2 else mask[:, None]
+
+
+def _mask_of(mask):
+    """A block's mask as the op reads it: kept (a tensor, or None), or made now (a mask per row)."""
+    return mask() if callable(mask) else mask
 
 
 def _accumulate(total: torch.Tensor, parts) -> None:
@@ -266,7 +290,8 @@ class _BlockedFlash(torch.autograd.Function):
         blocks = _blocks(n, shift, side, token_mask, q.dtype, q.device, span)
         out = q.new_empty(B, n, C, r + 1)
         lse = None
-        for rows, cols, mask in blocks:
+        for rows, cols, kept in blocks:
+            mask = _mask_of(kept)
             o, part = _flash_forward(
                 _heads(queries[:, rows]),
                 _heads(keys[:, cols]),
@@ -301,7 +326,8 @@ class _BlockedFlash(torch.autograd.Function):
         out_and_g[..., r] = 0 if grad_lse is None else -grad_lse.transpose(1, 2).to(out.dtype)
         grad_queries = torch.empty_like(queries)  # the blocks' rows tile [0, n) exactly once
         key_parts, value_parts = [], []
-        for rows, cols, mask in ctx.blocks:
+        for rows, cols, kept in ctx.blocks:
+            mask = _mask_of(kept)
             gq, gk, gv = _flash_backward(
                 _heads(d_out[:, rows]),
                 _heads(queries[:, rows]),
@@ -341,6 +367,7 @@ def _materialised(q, k, v, key_bias, scale, shift, side, token_mask):
     queries, keys, values = (t.transpose(1, 2) for t in (queries, keys, values))
     positions = torch.arange(n + shift, device=q.device)
     visible = _visible(positions[:n], positions, n, shift, side, token_mask)
+    visible = visible if visible.dim() == 2 else visible[:, None]  # a mask per row: [B, 1, n, n + shift]
     scores = (queries @ keys.transpose(-1, -2)).masked_fill(~visible, ABSENT)
     lse = scores.logsumexp(-1)
     out = (scores - lse[..., None]).exp() @ values
@@ -351,7 +378,8 @@ def far_attention(
     q, k, v, key_bias, scale: float, shift: int, side: str, token_mask=None, flash: bool = True, span=UNBOUNDED
 ):
     """``(out [B, n, C, r], lse [B, C, n])`` of row i over the keys j with j <= i - shift
-    (``side="left"``) or j >= i + shift (``"right"``), and ``token_mask[i, j]`` if given.
+    (``side="left"``) or j >= i + shift (``"right"``), and ``token_mask[i, j]`` if given
+    (``token_mask[b, i, j]``: a mask per row, ``[B, n, n]``).
     ``q, k, v [B, n, C, r]`` and ``key_bias [B, n, C]`` (``ABSENT`` on keys that exist for no
     query, e.g. padding). ``flash``: use the CPU flash op (the caller decides: tests patch it).
     ``span`` (a ``KeySpan``, with a token mask): where a row's keys can lie; the op then reads

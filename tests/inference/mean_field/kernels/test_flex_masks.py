@@ -31,6 +31,11 @@ def as_elements(blocks, size, block):
     return blocks.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., :size, :size]
 
 
+def every_other_token(n: int) -> torch.Tensor:
+    """A function of the length (``graphs.topology.from_callable``): its rows get a table each."""
+    return ~torch.eye(n, dtype=torch.bool)
+
+
 @pytest.mark.parametrize("block", [flex_masks.BLOCK, 64, 32])
 @pytest.mark.parametrize(
     "topology, buckets, n, some_full",
@@ -39,7 +44,10 @@ def as_elements(blocks, size, block):
         ("full | root()", [2, 130], 520, True),
         ("causal", 0, 300, True),
         ("window(2)", 1, 200, False),
+        ("window(1) | star(wrap=True)", 1, 300, False),
+        (graphs.topology.from_callable(every_other_token), 2, 400, True),
     ],
+    ids=str,
 )
 def test_block_masks_cover_exactly_the_arcs_of_each_head(topology, buckets, n, some_full, block):
     """What the compiled kernel attends to: full blocks whole, partial blocks through the

@@ -62,3 +62,32 @@ def test_a_structure_needs_its_table_or_a_topology():
 
     with pytest.raises(ValueError, match="needs its token_arcs or a topology"):
         HeadStructure(n=2, gamma=1, nodes=torch.ones(1, 2, dtype=torch.bool))
+
+
+ROW_TOPOLOGIES = ["star(wrap=True)", "window(1) | star(wrap=True)", "star(wrap=True) | clusters(2)"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=st.sampled_from(ROW_TOPOLOGIES), n=st.integers(1, 12), seed=st.integers(0, 1000))
+def test_a_structure_of_row_tokens_reads_each_rows_table_however_it_was_given(spec, n, seed):
+    """A topology whose rows have token arcs of their own length: from the topology alone,
+    from its arcs, or from each row's table ``[B, n, n]``, the structure has the same table per
+    row (the token arcs of ``Topology.arcs``), rows with a head, diagonals, arcs and border."""
+    topo = graphs.topology.parse(spec)
+    mask = torch.rand(3, n, generator=torch.Generator().manual_seed(seed)) < 0.7
+    crf = graphs.CRF(vocab_size=5, labels=2, topology=topo)
+    arcs = topo.arcs(mask)
+    common = dict(n=n, gamma=crf.gamma, nodes=crf.node_mask(mask), band=topo.band, border=topo.border(mask))
+    by_topology = HeadStructure(**{**common, "border": None}, topology=topo)
+    by_arcs = HeadStructure(**common, arcs=arcs, topology=topo)
+    by_table = HeadStructure(**common, token_arcs=arcs[:, :n, :n])
+    for structure in (by_topology, by_arcs, by_table):
+        assert structure.row_tokens
+        assert torch.equal(structure.token_arcs, arcs[:, :n, :n])
+        assert torch.equal(structure.token_mask(transposed=True), arcs[:, :n, :n].transpose(1, 2))
+        assert torch.equal(structure.has_head, arcs.any(-1))
+        for offset in range(-n + 1, n):
+            assert torch.equal(structure.diagonal(offset), arcs[:, :n, :n].diagonal(offset, dim1=1, dim2=2))
+        assert torch.equal(structure.arcs, arcs)
+        assert all(torch.equal(a, b) for a, b in zip(structure.border, (arcs[:, :n, n:], arcs[:, n:])))
+    assert not HeadStructure(**common, topology=graphs.topology.parse("star()")).row_tokens

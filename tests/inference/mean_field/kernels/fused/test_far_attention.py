@@ -123,8 +123,8 @@ def far_reference(q, k, v, key_bias, scale, shift, side, token_mask):
     n = q.shape[1]
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     allowed = (j <= i - shift) if side == "left" else (j >= i + shift)
-    if token_mask is not None:
-        allowed = allowed & token_mask
+    if token_mask is not None:  # one table, or one per row [B, n, n]
+        allowed = allowed & (token_mask if token_mask.dim() == 2 else token_mask[:, None])
     allowed = allowed & (key_bias > far_attention.ABSENT / 2).permute(0, 2, 1)[:, :, None, :]  # [B, C, n, n]
     scores = scale * torch.einsum("bicr,bjcr->bcij", q, k) + key_bias.permute(0, 2, 1)[:, :, None, :]
     scores = scores.masked_fill(~allowed, -math.inf)
@@ -171,6 +171,52 @@ def test_far_attention_equals_its_definition(native, side, masked, n, shift, mon
         got = values_and_gradients(lambda *t, f=flash: ours(*t, flash=f), [q, k, v, key_bias])
         for a, b in zip(got, expected, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("n, shift", [(3, 4), (9, 1), (150, 4)])
+def test_far_attention_with_a_mask_per_row_equals_its_definition_and_each_row_alone(side, n, shift):
+    """A token mask per row ``[B, n, n]``: each block's mask made per row where it is read,
+    forward and backward. Values and gradients equal the definition's, and each row's equal
+    that row run alone with its own table ``[n, n]`` (the path of one table for the batch)."""
+    torch.manual_seed(n + shift)
+    B, C, r = 3, 2, 3
+    q, k, v = (2 * torch.randn(B, n, C, r, dtype=torch.float64) for _ in range(3))
+    key_bias = torch.randn(B, n, C, dtype=torch.float64)
+    key_bias[1, n // 2 :] = far_attention.ABSENT  # padding keys
+    token_mask = torch.rand(B, n, n) < torch.tensor([0.2, 0.6, 0.9])[:, None, None]
+    has_key = far_reference(q, k, v, key_bias, 0.7, shift, side, token_mask)[2]
+
+    def ours(*t, mask=token_mask, flash=True, with_key=has_key):
+        return *far_attention.far_attention(*t, 0.7, shift, side, mask, flash=flash), with_key
+
+    expected = values_and_gradients(lambda *t: far_reference(*t, 0.7, shift, side, token_mask), [q, k, v, key_bias])
+    for flash in (True, False):
+        got = values_and_gradients(lambda *t, f=flash: ours(*t, flash=f), [q, k, v, key_bias])
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    # the lse and gradients of row b alone are those of its own function: compared as values only
+    batched = far_attention.far_attention(q, k, v, key_bias, 0.7, shift, side, token_mask)
+    for b in range(B):
+        row = (t[b : b + 1] for t in (q, k, v, key_bias))
+        alone = far_attention.far_attention(*row, 0.7, shift, side, token_mask[b])
+        keyed = has_key[b : b + 1]
+        torch.testing.assert_close(batched[0][b : b + 1], alone[0], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(batched[1][b : b + 1][keyed], alone[1][keyed], atol=1e-12, rtol=1e-12)
+
+
+def test_the_blocks_of_a_mask_per_row_hold_no_mask_until_read():
+    """A batch's own masks are neither kept in the cache of tables nor built ahead: each block
+    holds the way to make its ``[B, 1, rows, keys]`` mask."""
+    n, B = 150, 2
+    token_mask = torch.rand(B, n, n) < 0.5
+    kept = len(far_attention._BLOCKS)
+    blocks = far_attention._blocks(n, 2, "left", token_mask, torch.float64, torch.device("cpu"))
+    assert len(far_attention._BLOCKS) == kept and len(blocks) > 1
+    for rows, keys, mask in blocks:
+        assert not isinstance(mask, torch.Tensor)
+        made = far_attention._mask_of(mask)
+        assert made.shape == (B, 1, rows.stop - rows.start, keys.stop - keys.start)
 
 
 def test_far_attention_without_the_op_equals_its_definition():
