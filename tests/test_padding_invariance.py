@@ -206,8 +206,15 @@ LENGTH_TOPOLOGIES = {
 }
 
 
+LENGTH_ENGINES = {
+    "Exact": inference.Exact,
+    "MeanField": lambda crf: inference.MeanField(crf, iterations=3, kernel="naive"),
+    "MeanField fused": lambda crf: inference.MeanField(crf, iterations=3, kernel="fused"),
+}
+
+
 @pytest.mark.parametrize("topology", sorted(LENGTH_TOPOLOGIES))
-@pytest.mark.parametrize("engine", ["Exact", "MeanField"])
+@pytest.mark.parametrize("engine", sorted(LENGTH_ENGINES))
 @given(batch=batches(max_length=4))
 @settings(max_examples=6, deadline=None)
 def test_a_topology_of_the_sentence_length_answers_a_sentence_the_same_alone_or_padded(topology, engine, batch):
@@ -218,7 +225,7 @@ def test_a_topology_of_the_sentence_length_answers_a_sentence_the_same_alone_or_
     tokens, mask, lengths = batch
     torch.manual_seed(1)
     crf = graphs.CRF(vocab_size=VOCAB, labels=2, channels=1, rank=2, topology=LENGTH_TOPOLOGIES[topology]).double()
-    run = inference.Exact(crf) if engine == "Exact" else inference.MeanField(crf, iterations=3)
+    run = LENGTH_ENGINES[engine](crf)
     batched = run(tokens, mask)
     for row, length in enumerate(lengths):
         single = run(alone(tokens, mask, row)[0], torch.ones(1, length, dtype=torch.bool))
@@ -245,11 +252,27 @@ def test_a_wrapped_stars_padded_rows_have_the_arcs_written_by_hand(lengths, padd
         assert set(map(tuple, arcs[row].nonzero().tolist())) == expected
 
 
-def test_a_kernel_with_one_token_table_refuses_a_topology_of_the_sentence_length():
-    crf = graphs.CRF(vocab_size=VOCAB, labels=2, topology="star(wrap=True)")
-    engine = inference.MeanField(crf, kernel="fused")
-    with pytest.raises(ValueError, match=r"kernel='fused' reads one token table .* use kernel='naive' or 'auto'"):
-        engine(torch.tensor([[1, 2, 3]]))
+@pytest.mark.parametrize("topology", sorted(LENGTH_TOPOLOGIES))
+def test_every_kernel_reads_each_rows_arcs_on_a_topology_of_the_sentence_length(topology):
+    """The fused and flex kernels read each row's own token table: on a padded batch of mixed
+    lengths their label logits (and the fused kernel's ELBO and gradients) are the naive kernel's."""
+    tokens = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0], [2, 0, 0, 0, 0]])
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2, [True] + [False] * 4])
+    results = {}
+    for kernel in ("naive", "fused", "flex"):
+        torch.manual_seed(1)
+        crf = graphs.CRF(vocab_size=VOCAB, labels=2, channels=2, rank=2, topology=LENGTH_TOPOLOGIES[topology]).double()
+        engine = inference.MeanField(crf, iterations=3, kernel=kernel)
+        assert engine.resolved_kernel(tokens.shape[1] + crf.topology.extra_nodes, tokens.device) == kernel
+        with torch.set_grad_enabled(kernel != "flex"):  # flex trains on CUDA only
+            post = engine(tokens, mask)
+        results[kernel] = [post.logits]
+        if kernel != "flex":
+            (post.logits.sum() + post.elbo.sum()).backward()
+            results[kernel] += [post.elbo, *(p.grad for p in crf.parameters())]
+    for kernel in ("fused", "flex"):
+        for got, want in zip(results[kernel], results["naive"]):
+            assert_same(got.detach(), want.detach(), f"{kernel} {topology}")
 
 
 def test_gibbs_answers_each_sentence_of_a_padded_batch_as_exact_answers_it_alone():

@@ -32,13 +32,7 @@ FUSED_FLOAT32_MAX_SCORE = 512.0
 def resolved_kernel(options, crf, num_nodes: int, device: torch.device, training: bool) -> str:
     """The kernel an engine with ``options`` on ``crf`` runs on ``num_nodes`` nodes on
     ``device``, in training mode or not (``MeanFieldOptions``)."""
-    row_tokens = crf.topology.row_tokens  # each row's own token arcs: only the naive kernel reads them
     if options.kernel != "auto":
-        if options.kernel in ("fused", "flex") and row_tokens:
-            raise ValueError(
-                f"kernel={options.kernel!r} reads one token table for the whole batch, but topology "
-                f"{crf.topology.name!r} gives each row the token arcs of its own length; use kernel='naive' or 'auto'"
-            )
         if options.kernel in ("fused", "flex") and options.dropout and training:
             raise ValueError(
                 f"kernel={options.kernel!r} cannot apply dropout to head marginals; use kernel='naive' "
@@ -47,7 +41,9 @@ def resolved_kernel(options, crf, num_nodes: int, device: torch.device, training
         return options.kernel
     shared = getattr(crf, "ternary_form", None) == "shared"
     fused_from = AUTO_FUSED_MIN_NODES_SHARED if shared else AUTO_FUSED_MIN_NODES
-    if (options.dropout and training) or options.heads_need_naive or row_tokens:
+    # a topology whose rows have token arcs of their own length (star(wrap=True), a function of n)
+    # is read from a table per row by every kernel: the same thresholds as any other
+    if (options.dropout and training) or options.heads_need_naive:
         return "naive"
     if flex_kernel.flex_available(device):  # CUDA: the compiled flex_attention kernel
         return "flex"

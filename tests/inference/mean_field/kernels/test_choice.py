@@ -96,6 +96,24 @@ def test_the_kernel_choice_follows_the_documented_table(settings, shared, n, dev
     assert kernel_choice.resolved_kernel(options, crf, n, device, training) == expected
 
 
+def every_other_token(n: int) -> torch.Tensor:
+    return ~torch.eye(n, dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    "topology", ["star(wrap=True)", "window(1) | star(wrap=True)", graphs.topology.from_callable(every_other_token)]
+)
+def test_a_topology_of_the_sentence_length_follows_the_same_table(topology):
+    """Its rows' own token tables are read by every kernel: nothing refused by name, and auto
+    picks as on any other topology."""
+    crf = graphs.CRF(vocab_size=7, labels=3, channels=2, rank=2, topology=topology)
+    assert crf.topology.row_tokens
+    for settings, shared, n, device, training, expected in TABLE:
+        if shared or (expected == "fused" and device == CPU and not head_kernels.fused_available(CPU)):
+            continue
+        assert kernel_choice.resolved_kernel(MeanFieldOptions(**settings), crf, n, device, training) == expected
+
+
 def test_training_is_an_argument_of_the_choice_not_a_frozen_setting():
     """The same options refuse dropout on fused heads while training and accept it in eval."""
     options = MeanFieldOptions(kernel="fused", dropout=0.1)

@@ -37,9 +37,9 @@ def compiled_on_cpu(monkeypatch):
     flex_kernel._compiled.cache_clear()
 
 
-def engine_and_batch(batch: int, n: int, padded: int, seed: int):
+def engine_and_batch(batch: int, n: int, padded: int, seed: int, topology: str = "causal | root()"):
     torch.manual_seed(seed)
-    crf = graphs.CRF(vocab_size=7, labels=3, channels=2, rank=3, topology="causal | root()", gamma=1)
+    crf = graphs.CRF(vocab_size=7, labels=3, channels=2, rank=3, topology=topology, gamma=1)
     engine = MeanField(crf, iterations=1, kernel="flex")
     tokens = torch.randint(0, 7, (batch, n))
     mask = torch.ones(batch, n, dtype=torch.bool)
@@ -52,8 +52,23 @@ def engine_and_batch(batch: int, n: int, padded: int, seed: int):
 
 
 def test_twelve_shapes_compile_at_most_three_times_and_never_fall_back(compiled_on_cpu):
-    for seed, (batch, n, padded) in enumerate(SHAPES):
-        structure, projections = engine_and_batch(batch, n, padded, seed)
+    compiled_equals_eager(SHAPES)
+    graphs_compiled = counters["stats"]["unique_graphs"]
+    assert 1 <= graphs_compiled <= 3, dict(counters["stats"])  # the forward and the reverse masks: two configurations
+    assert not counters["recompile_limit"] and not counters["cache_size_limit"]
+
+
+def test_a_topology_of_the_sentence_length_compiles_its_table_per_row(compiled_on_cpu):
+    """``star(wrap=True)``: the mask_mod reads each row's own token table ``[B, n, n]``."""
+    compiled_equals_eager(SHAPES[:4], "window(1) | star(wrap=True)")
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    assert not counters["recompile_limit"] and not counters["cache_size_limit"]
+
+
+def compiled_equals_eager(shapes, topology: str = "causal | root()"):
+    """The compiled kernel's messages and lse against the eager reference's, shape by shape."""
+    for seed, (batch, n, padded) in enumerate(shapes):
+        structure, projections = engine_and_batch(batch, n, padded, seed, topology)
         with torch.no_grad():
             compiled = flex(*projections, 0.5, structure)
             with pytest.MonkeyPatch.context() as eager:
@@ -62,9 +77,6 @@ def test_twelve_shapes_compile_at_most_three_times_and_never_fall_back(compiled_
         for ours, theirs in ((compiled.forward, reference.forward), (compiled.reverse, reference.reverse)):
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(compiled.lse, reference.lse, atol=1e-5, rtol=1e-5)
-    graphs_compiled = counters["stats"]["unique_graphs"]
-    assert 1 <= graphs_compiled <= 3, dict(counters["stats"])  # the forward and the reverse masks: two configurations
-    assert not counters["recompile_limit"] and not counters["cache_size_limit"]
 
 
 def test_a_recompile_past_the_limit_raises_instead_of_running_eagerly(compiled_on_cpu):
