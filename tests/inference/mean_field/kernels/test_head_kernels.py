@@ -86,6 +86,19 @@ def test_the_fused_engine_allocates_nothing_quadratic(topology):
     assert largest > 0
 
 
+@pytest.mark.parametrize("topology", ["star(wrap=True)", "window(1) | star(wrap=True)"])
+def test_the_fused_engine_on_a_topology_of_the_sentence_length_allocates_no_more_than_its_arcs(topology):
+    """Each row's own token table: the batch's arcs ``[B, N, N]`` bool are the largest
+    allocation (B = 2), never the naive kernel's ``[B, C, N, N]``."""
+    n = 1024
+    crf, run = engine_run(topology, "fused", n)
+    with Allocations() as allocations:
+        run()
+    N = crf.topology.num_nodes(n)
+    largest, operator = allocations.largest()
+    assert N * N < largest <= 2 * N * N, f"{operator} allocated {largest} elements (B N^2 = {2 * N * N})"
+
+
 @pytest.mark.parametrize("topology", ["causal | root()", "segments(64)", "window(8) | clusters(4)"])
 def test_the_flex_kernel_allocates_nothing_quadratic_around_the_attention(topology, monkeypatch):
     reference = flex_kernel._flex_reference
