@@ -175,6 +175,7 @@ class HeadStructure:
     @arcs.setter
     def arcs(self, arcs: torch.Tensor) -> None:
         self._arcs, self._border, self._has_head = arcs, None, None
+        self._table_built = None  # a table per row (row_tokens) is a view of the arcs
         self.cache.clear()
 
     @property

@@ -91,3 +91,17 @@ def test_a_structure_of_row_tokens_reads_each_rows_table_however_it_was_given(sp
         assert torch.equal(structure.arcs, arcs)
         assert all(torch.equal(a, b) for a, b in zip(structure.border, (arcs[:, :n, n:], arcs[:, n:])))
     assert not HeadStructure(**common, topology=graphs.topology.parse("star()")).row_tokens
+
+
+def test_new_arcs_give_a_structure_of_row_tokens_the_new_rows_token_tables():
+    """Each row's token table is a view of the arcs: arcs set after a kernel read the table
+    (``HeadStructure.arcs = ...``) are the ones every later read sees, the table included."""
+    topo = graphs.topology.parse("star(wrap=True) | root()")
+    old, new = torch.tensor([[True] * 5, [True] * 5]), torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    crf = graphs.CRF(vocab_size=5, labels=2, topology=topo)
+    structure = HeadStructure(n=5, gamma=crf.gamma, nodes=crf.node_mask(new), topology=topo, arcs=topo.arcs(old))
+    assert torch.equal(structure.token_arcs, topo.arcs(old)[:, :5, :5])  # read once: built
+    structure.arcs = topo.arcs(new)
+    assert torch.equal(structure.token_arcs, topo.arcs(new)[:, :5, :5])
+    for offset in range(-4, 5):
+        assert torch.equal(structure.diagonal(offset), topo.arcs(new)[:, :5, :5].diagonal(offset, dim1=1, dim2=2))
