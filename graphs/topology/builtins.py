@@ -23,9 +23,10 @@ def _check_flag(name: str, value) -> None:
         raise ValueError(f"{name} must be True or False (a bool), got {value!r}")
 
 
-def _positions(size) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column indices ``[size, 1]`` and ``[1, size]`` of a ``[size, size]`` mask."""
-    pos = torch.arange(size)
+def _positions(size, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column indices ``[size, 1]`` and ``[1, size]`` of a ``[size, size]`` mask (on
+    ``device``; None: the default device, or the one a ``torch.device`` context sets)."""
+    pos = torch.arange(size, device=device)
     return pos[:, None], pos[None, :]
 
 
@@ -100,8 +101,7 @@ def star(wrap: bool = False) -> Topology:
         """The ring closed between each row's first and last real tokens (not the batch's
         first and last positions: padding must not move the arc)."""
         n = mask.shape[1]
-        with torch.device(mask.device):  # the positions where the mask is
-            i, j = _positions(n + 1)
+        i, j = _positions(n + 1, mask.device)  # not a torch.device context: Dynamo cannot trace one
         tokens = (i < n) & (j < n)
         ring = tokens & ((j == i - 1) | (j == i + 1))
         relay = ((i < n) & (j == n)) | ((i == n) & (j < n))

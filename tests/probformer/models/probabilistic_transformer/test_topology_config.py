@@ -112,3 +112,19 @@ def test_a_pt_with_distance_buckets_round_trips(tmp_path):
         assert torch.equal(loaded(tokens)[0], model(tokens)[0])
     with pytest.raises(ValueError, match="config key 'gamma'"):
         PTConfig(vocab_size=12, labels=6, channels=2, rank=3, gamma=[4, 2])
+
+
+@pytest.mark.parametrize("kernel", ["naive", "fused"])
+def test_a_pt_on_star_wrap_compiles_in_one_graph_and_equals_eager(kernel):
+    """star(wrap=True) builds each row's arcs from its mask; it did so inside a torch.device
+    context, which Dynamo cannot trace: fullgraph=True failed on any such model."""
+    torch.manual_seed(0)
+    config = PTConfig(vocab_size=20, labels=16, channels=2, rank=32, iterations=2, dropout=0.0, kernel=kernel,
+                      topology="star(wrap=True)")  # fmt: skip
+    model = ProbabilisticTransformer(config).eval()
+    tokens, mask = torch.randint(0, 20, (2, 12)), torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 8:] = False
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # a graph break raises
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(tokens, mask)[0], model(tokens, mask)[0], rtol=0, atol=0)
