@@ -14,8 +14,9 @@ repeated per group; keys and values are not), and the messages are summed over t
 
 Memory: the projections in head layout and the per-head lse, O(n); the block masks'
 metadata, O((n / 128)^2) per head, built once per batch from tables cached per topology
-(``inference.mean_field.kernels.flex_masks``); the mask_mod reads O(B n) data; the compiled kernels keep
-nothing n x n.
+(``inference.mean_field.kernels.flex_masks``); the mask_mod reads the nodes, O(B n), and the
+topology's band or token table (``[n, n]``; ``[B, n, n]`` bool for a topology of each row's
+length); the compiled kernels keep nothing n x n of their own.
 
 Where it runs: on CUDA, the compiled flex_attention (Triton; ``BACKEND="TRITON"``, whose
 backward differentiates through the lse; flex's FLASH backend does not). Compiled once per
