@@ -108,11 +108,15 @@ def main(argv=None) -> list[dict]:
     torch.manual_seed(0)
     run, ys = filter_run(device, sizes)
     exact = kalman_log_evidence(ys, *stages.SMC_MODEL)
-    variants = {"eager": run, "compiled": torch.compile(run, backend=args.backend)}
-    if device.type == "cuda":
-        variants["reduce-overhead"] = torch.compile(run, backend=args.backend, mode="reduce-overhead")
+    modes = {"eager": None, "compiled": "default"} | (
+        {"reduce-overhead": "reduce-overhead"} if device.type == "cuda" else {}
+    )
     lines = []
-    for name, variant in variants.items():
+    for name, mode in modes.items():
+        # each variant compiles from a clean Dynamo: what an earlier compile in this process
+        # left (sizes it saw change, now dynamic) would make this one another experiment
+        torch._dynamo.reset()
+        variant = run if mode is None else torch.compile(run, backend=args.backend, mode=mode)
         try:
             line = measure(name, variant, exact, device, sizes)
         except Exception as error:  # a variant that fails is recorded; the others still run
