@@ -286,3 +286,16 @@ def write_tiny_run_config(tmp_path, name="run.toml", dropout=0.1, source="ptb", 
 def train_losses(run: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+
+
+def last_is_head(n: int):
+    """A topology as a function of the length n (``graphs.topology.from_callable``): every token
+    may choose the sentence's last token, which chooses the first; arcs that move with n."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(n))
+    graph.add_edges_from((i, n - 1) for i in range(n - 1))
+    if n > 1:
+        graph.add_edge(n - 1, 0)
+    return graph

@@ -25,7 +25,7 @@ from probformer.diagnostics import diversity, ess, pareto_k, report
 from probformer.diagnostics.probe import layer_metrics
 from probformer.diagnostics.trace_measures import measure
 from probformer.models import registry
-from tests.builders import TINY_CONFIGS, VOCAB
+from tests.builders import TINY_CONFIGS, VOCAB, last_is_head
 
 
 @pytest.fixture(scope="module", params=sorted(registry.KINDS))
@@ -184,19 +184,6 @@ def test_every_engine_answers_a_sentence_the_same_alone_padded_or_batched(engine
         assert got.keys() == want.keys()
         for name in want:
             assert_same(got[name], want[name], f"{engine} {name}")
-
-
-def last_is_head(n):
-    """Every token may choose the sentence's last token, which chooses the first: arcs that
-    depend on the length n, not on positions alone."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    g.add_nodes_from(range(n))
-    g.add_edges_from((i, n - 1) for i in range(n - 1))
-    if n > 1:
-        g.add_edge(n - 1, 0)
-    return g
 
 
 LENGTH_TOPOLOGIES = {

@@ -8,7 +8,6 @@ written from the oracles' predicates (tests/oracles.py), not read from the libra
 import types
 from unittest import mock
 
-import networkx as nx
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,7 +17,7 @@ import graphs
 from inference.mean_field.kernels import head_kernels
 from inference.mean_field.kernels.flex import flex
 from inference.mean_field.kernels.structure import HeadStructure
-from tests.builders import head_structure_of
+from tests.builders import head_structure_of, last_is_head
 from tests.oracles import dense_attention_reference, group_of, star_rule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,16 +29,6 @@ def mirror(n: int) -> torch.Tensor:
     arcs = torch.zeros(n, n, dtype=torch.bool)
     arcs[i, n - 1 - i] = True
     return arcs & (i[:, None] != i[None, :])
-
-
-def last_is_head(n: int) -> nx.DiGraph:
-    """Every token may choose the last; the last may choose the first."""
-    graph = nx.DiGraph()
-    graph.add_nodes_from(range(n))
-    graph.add_edges_from((i, n - 1) for i in range(n - 1))
-    if n > 1:
-        graph.add_edge(n - 1, 0)
-    return graph
 
 
 def mirror_rule(i: int, j: int, n: int) -> bool:
