@@ -100,20 +100,34 @@ def test_a_final_validation_below_every_periodic_one_is_the_best_where_it_scores
         assert same == final_is_best
 
 
-def test_a_kill_right_after_best_is_written_resumes_to_the_same_run(tmp_path, trained):
-    config, reference, _ = trained
-    run = tmp_path / "run"
-    command = [sys.executable, "-m", "probformer", "train", "--config", str(config), "--out", str(run)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PROBFORMER_CRASH_AT": "best:model@3"}
-    killed = subprocess.run(command, env=environment, capture_output=True, timeout=300)
+def train_command(config, run) -> list[str]:
+    return [sys.executable, "-m", "probformer", "train", "--config", str(config), "--out", str(run)]
+
+
+def killed_at(point: str, config, run) -> None:
+    """Train ``config`` into ``run`` in a process that SIGKILLs itself at crash point ``point``."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PROBFORMER_CRASH_AT": point}
+    killed = subprocess.run(train_command(config, run), env=environment, capture_output=True, timeout=300)
     assert killed.returncode == -9, killed.stderr.decode()[-2000:]
-    assert (run / "best").is_dir() and not (run / "model").exists()
-    environment.pop("PROBFORMER_CRASH_AT")
-    resumed = subprocess.run([*command, "--resume"], env=environment, capture_output=True, text=True, timeout=300)
+
+
+def resume_to_the_reference(config, run, reference) -> None:
+    """``--resume`` the killed run: it ends with the uninterrupted run's best/ and model/ bytes."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [*train_command(config, run), "--resume"]
+    resumed = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     for folder in ("best", "model"):
         weights = f"{folder}/model.safetensors"
         assert (run / weights).read_bytes() == (reference / weights).read_bytes()
+
+
+def test_a_kill_right_after_best_is_written_resumes_to_the_same_run(tmp_path, trained):
+    config, reference, _ = trained
+    run = tmp_path / "run"
+    killed_at("best:model@3", config, run)
+    assert (run / "best").is_dir() and not (run / "model").exists()
+    resume_to_the_reference(config, run, reference)
     assert not [p.name for p in run.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
@@ -123,10 +137,7 @@ def test_a_kill_between_the_two_renames_of_a_swap_loses_no_best_folder(tmp_path,
     deleting both copies), and the resumed run ends with the uninterrupted run's bytes."""
     config, reference, _ = trained
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "probformer", "train", "--config", str(config), "--out", str(run)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PROBFORMER_CRASH_AT": "swap:moved@1"}
-    killed = subprocess.run(command, env=environment, capture_output=True, timeout=300)
-    assert killed.returncode == -9, killed.stderr.decode()[-2000:]
+    killed_at("swap:moved@1", config, run)
     assert not (run / "best").exists()
     [old] = run.glob(".best.old-*")
     [new] = run.glob(".best.tmp-*")
@@ -137,12 +148,7 @@ def test_a_kill_between_the_two_renames_of_a_swap_loses_no_best_folder(tmp_path,
     assert sorted(p.name for p in (run / "best").iterdir()) == names
     assert not [p.name for p in run.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     checkpoint.load(run / "best")  # a whole model folder, readable
-    environment.pop("PROBFORMER_CRASH_AT")
-    resumed = subprocess.run([*command, "--resume"], env=environment, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    for folder in ("best", "model"):
-        weights = f"{folder}/model.safetensors"
-        assert (run / weights).read_bytes() == (reference / weights).read_bytes()
+    resume_to_the_reference(config, run, reference)
 
 
 @given(st.lists(st.floats(0.5, 9.0), min_size=1, max_size=8))
