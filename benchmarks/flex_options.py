@@ -21,7 +21,6 @@ plumbing (each variant applied and undone, every line written), not the options.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -116,10 +115,8 @@ def main(argv=None) -> list[dict]:
             finally:
                 undo()
             line.update(n=args.n, batch=args.batch, device=str(device))
-            print(json.dumps(line), flush=True)
+            stages.write_line(line, args.out)
             lines.append(line)
-            with open(args.out, "a") as out:
-                out.write(json.dumps(line) + "\n")
     return lines
 
 

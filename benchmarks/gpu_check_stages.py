@@ -9,6 +9,7 @@ engines use the fused kernel: flex refuses to train there.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -51,6 +52,14 @@ class Sizes:
 TINY = Sizes(labels=16, channels=2, rank=4, batch=2, iterations=2, lengths=(16, 32), topology_length=64, window=4,
              segment=8, memory_lengths=(16, 32, 64), matmul=64, smc_particles=50, smc_steps=5, smc_filters=4,
              pyro_filters=1, train_length=16, train_vocab=50, train_steps=3, warmup=1, rounds=1)  # fmt: skip
+
+
+def write_line(line: dict, path) -> None:
+    """Print ``line`` as JSON and append it to the JSON-lines file ``path`` (the experiment
+    scripts' record: each line is kept as soon as it is measured)."""
+    print(json.dumps(line), flush=True)
+    with open(path, "a") as out:
+        out.write(json.dumps(line) + "\n")
 
 
 def synchronise(device: torch.device) -> None:
@@ -196,10 +205,10 @@ def memory_growth(device: torch.device, sizes: Sizes, deadline=None) -> dict:
 SMC_MODEL = (0.9, 0.5, 0.3)  # the linear-Gaussian model's a, q, r: x' = a x + N(0, q), y = x + N(0, r)
 
 
-def smc_run(device: torch.device, sizes: Sizes, generator: torch.Generator):
+def smc_run(device: torch.device, sizes: Sizes, generator: torch.Generator | None, validate: bool = True):
     """``(run, ys)``: ``run()`` filters ``sizes.smc_filters`` observation series ``ys`` of the
     linear-Gaussian model at once with inference.SMC (float32 tensor callables), drawing from
-    ``generator``; it returns the ``SMCResult``."""
+    ``generator`` (None: torch's global one); it returns the ``SMCResult``."""
     N, T = sizes.smc_particles, sizes.smc_steps
     a, q, r = SMC_MODEL
     ys = torch.randn(sizes.smc_filters, T, device=device, generator=generator)
@@ -211,7 +220,7 @@ def smc_run(device: torch.device, sizes: Sizes, generator: torch.Generator):
     def init(batch):
         return torch.randn(batch, N, device=device, generator=generator)
 
-    smc = inference.SMC(N, generator=generator)
+    smc = inference.SMC(N, generator=generator, validate=validate)
     return (lambda: smc.filter(init, step, num_steps=T, batch_size=sizes.smc_filters)), ys
 
 

@@ -21,7 +21,6 @@ Variants: ``eager``, ``compiled`` (``--backend``, default mode) and, on CUDA,
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -32,7 +31,6 @@ from dataclasses import replace
 sys.path.insert(0, os.getcwd())  # the tree it is run in, not an installed copy
 import torch  # noqa: E402
 
-import inference  # noqa: E402
 from benchmarks import gpu_check_stages as stages  # noqa: E402
 
 
@@ -50,24 +48,6 @@ def kalman_log_evidence(ys: torch.Tensor, a: float, q: float, r: float) -> torch
         gain = variance / spread
         mean, variance = mean + gain * (ys[:, t] - mean), (1 - gain) * variance
     return total + 0.5 * ys.shape[1] * math.log(2 * math.pi * r)
-
-
-def filter_run(device: torch.device, sizes: stages.Sizes):
-    """``(run, ys)``: the GPU check's filter (``stages.smc_run``'s model), drawing from torch's
-    global generator, ``validate=False`` (no host read at the end either)."""
-    N, T = sizes.smc_particles, sizes.smc_steps
-    a, q, r = stages.SMC_MODEL
-    ys = torch.randn(sizes.smc_filters, T, device=device)
-
-    def step(t, x):
-        x = a * x + q**0.5 * torch.randn(x.shape, device=device)
-        return x, -0.5 / r * (ys[:, t, None] - x) ** 2
-
-    def init(batch):
-        return torch.randn(batch, N, device=device)
-
-    smc = inference.SMC(N, validate=False)
-    return (lambda: smc.filter(init, step, num_steps=T, batch_size=sizes.smc_filters).log_evidence), ys
 
 
 def measure(name: str, run, exact: torch.Tensor, device: torch.device, sizes: stages.Sizes) -> dict:
@@ -106,7 +86,13 @@ def main(argv=None) -> list[dict]:
             parser.error(f"--steps must be at least 1, got {args.steps}")
         sizes = replace(sizes, smc_steps=args.steps)
     torch.manual_seed(0)
-    run, ys = filter_run(device, sizes)
+    # torch's global generator: a torch.Generator argument breaks Dynamo's graph at every draw;
+    # validate=False: no host read after the last step either
+    filter_once, ys = stages.smc_run(device, sizes, None, validate=False)
+
+    def run():
+        return filter_once().log_evidence
+
     exact = kalman_log_evidence(ys, *stages.SMC_MODEL)
     modes = {"eager": None, "compiled": "default"} | (
         {"reduce-overhead": "reduce-overhead"} if device.type == "cuda" else {}
@@ -123,10 +109,8 @@ def main(argv=None) -> list[dict]:
             line = {"variant": name, "error": f"{type(error).__name__}: {error}"[:300]}
         line.update(device=str(device), backend=args.backend, filters=sizes.smc_filters,
                     particles=sizes.smc_particles, steps=sizes.smc_steps)  # fmt: skip
-        print(json.dumps(line), flush=True)
+        stages.write_line(line, args.out)
         lines.append(line)
-        with open(args.out, "a") as out:
-            out.write(json.dumps(line) + "\n")
     return lines
 
 
