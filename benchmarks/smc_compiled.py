@@ -4,11 +4,12 @@
     python3 -m benchmarks.smc_compiled --device cpu --tiny --backend aot_eager   # the dry run (make test)
 
 On a GPU the eager filter is launch-bound: a few dozen small kernels per step (docs/benchmarks.md,
-"SMC: aten calls per filter step"). Compiled, a run of ``--steps`` steps becomes a few graphs
-per step (the model draws from torch's global generator: a ``torch.Generator`` argument would
-break Dynamo's graph at every draw; the systematic resampler's in-place minimum into a view
-still breaks it), so inductor fuses the elementwise passes within each, and
-``reduce-overhead`` replays them as CUDA graphs. The graphs a variant compiled are counted.
+"SMC: aten calls per filter step"). Compiled, a run of ``--steps`` steps is traced
+as one graph (the model draws from torch's global generator: a ``torch.Generator`` argument
+would break Dynamo's graph at every draw, and each step's frame would then be compiled apart,
+the step number differing), so inductor fuses the elementwise passes of all ``--steps`` steps,
+and ``reduce-overhead`` replays them as one CUDA graph. The compile grows with the steps (the
+loop is unrolled). The graphs a variant compiled are counted.
 Compiled runs draw other random numbers than eager ones, so each variant is checked against
 the Kalman filter's exact log evidence of the same observations: the mean error over the
 filters and its standard error.

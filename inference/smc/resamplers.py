@@ -126,13 +126,24 @@ class SystematicResampler:
         self.counts.zero_().scatter_add_(1, first, self.ones)
         positions = self.positions.cumsum_(-1)
         # a position that rounding leaves past the last live particle's end (its cumulative
-        # weight fell short of N) goes to it, never to a particle of weight 0 after it. The
-        # minimum also stands for setting the last particle's first position to N (the total
-        # is the last cumulative weight: every position falls before it): where the last
-        # particle's first position is <= i, so is every particle's (they do not decrease),
-        # and position i counts N or N - 1 particles, both at least last_live (<= N - 1)
-        positions = torch.minimum(positions, last_live, out=positions)
-        return positions.long() if out is None else out.copy_(positions)
+        # weight fell short of N) goes to it, never to a particle of weight 0 after it (in place
+        # by clamp_max_, which Dynamo traces: minimum's out= into this non-contiguous view breaks
+        # a compiled filter's graph at every step). The minimum also stands for setting the last
+        # particle's first position to N (the total is the last cumulative weight: every
+        # position falls before it): where the last particle's first position is <= i, so is
+        # every particle's (they do not decrease), and position i counts N or N - 1 particles,
+        # both at least last_live (<= N - 1)
+        positions = positions.clamp_max_(last_live)
+        if out is None:
+            return positions.long()
+        if torch.compiler.is_compiling():
+            # inductor's CPU code (torch 2.13) misreads the result of a copy into a view of a
+            # graph input later in the same graph (the filter's gather took other ancestors
+            # than it recorded): the caller gets a fresh tensor, ``out`` a copy of it
+            ancestors = positions.long()
+            out.copy_(ancestors)
+            return ancestors
+        return out.copy_(positions)
 
 
 def _value(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,27 @@ def test_compiled_filter_equals_eager_under_a_fixed_generator():
     torch.testing.assert_close(compiled_x, eager_x)
 
 
+@pytest.mark.parametrize("method", RESAMPLERS)
+def test_a_compiled_run_of_more_steps_than_the_recompile_limit_is_one_graph(method):
+    """With torch's global generator (a ``torch.Generator`` argument breaks Dynamo's graph at
+    every draw) and no validation (its host read after the loop breaks it once), a run traces
+    into one graph: one compile per configuration, not one per step (each step's frame would
+    differ in the step number and fall back to eager past the limit)."""
+    torch.manual_seed(0)
+    steps = torch._dynamo.config.recompile_limit + 4
+
+    def init(B):
+        return torch.randn(B, 16)
+
+    def step(t, x):
+        x = 0.9 * x + torch.randn(x.shape)
+        return x, -0.5 * (x - 1.0) ** 2
+
+    smc = SMC(16, resample=method, ess_threshold=0.9, validate=False)
+    explained = torch._dynamo.explain(lambda: smc.filter(init, step, steps, 3).log_evidence)()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
     """Fails on every operator that reads a tensor's value on the host (.item(), bool(),
     .tolist() of a device tensor): on CUDA each is a synchronisation."""
