@@ -77,15 +77,21 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the GPU check's)")
+    parser.add_argument("--filters", type=int, default=None, help="filters per run (default: the GPU check's)")
+    parser.add_argument("--particles", type=int, default=None, help="particles per filter (default: the GPU check's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     parser.add_argument("--tiny", action="store_true", help="the CPU dry run's sizes")
     parser.add_argument("--out", default="smc_compiled.jsonl")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
     sizes = stages.TINY if args.tiny else stages.Sizes()
-    if args.steps is not None:
-        if args.steps < 1:
-            parser.error(f"--steps must be at least 1, got {args.steps}")
-        sizes = replace(sizes, smc_steps=args.steps)
+    for name, field in (("steps", "smc_steps"), ("filters", "smc_filters"), ("particles", "smc_particles")):
+        value = getattr(args, name)
+        if value is not None:
+            if value < 1:
+                parser.error(f"--{name} must be at least 1, got {value}")
+            sizes = replace(sizes, **{field: value})
     torch.manual_seed(0)
     # torch's global generator: a torch.Generator argument breaks Dynamo's graph at every draw;
     # validate=False: no host read after the last step either

@@ -4,6 +4,7 @@ cannot rot between GPU runs."""
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,13 +28,20 @@ def test_the_kalman_log_evidence_is_the_oracles_plus_the_left_out_constant(steps
 def test_the_dry_run_compiles_the_filter_to_one_graph_and_each_variant_estimates_the_exact_evidence(tmp_path):
     # 12 steps: more than Dynamo's recompile limit (8), were each step compiled apart
     out = tmp_path / "smc_compiled.jsonl"
-    argv = ["--device", "cpu", "--tiny", "--backend", "aot_eager", "--steps", "12", "--out", str(out)]
-    lines = smc_compiled.main(argv)
+    argv = ["--device", "cpu", "--tiny", "--backend", "aot_eager", "--steps", "12", "--filters", "6"]
+    lines = smc_compiled.main([*argv, "--particles", "40", "--out", str(out)])
     assert [line["variant"] for line in lines] == ["eager", "compiled"]  # reduce-overhead: CUDA only
     assert all("error" not in line for line in lines), lines
     assert lines[0]["graphs"] == 0 and lines[1]["graphs"] == 1
     for line in lines:
-        assert line["particle_steps_per_s"] > 0 and line["steps"] == 12
-        # 4 filters of 50 particles: the estimate's error is a few tenths at most
+        assert line["particle_steps_per_s"] > 0 and (line["steps"], line["filters"], line["particles"]) == (12, 6, 40)
+        # 6 filters of 40 particles: the estimate's error is a few tenths at most
         assert abs(line["log_evidence_error_mean"]) < 5 * line["log_evidence_error_se"] + 0.5, line
     assert len(out.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("option", ["--steps", "--filters", "--particles"])
+def test_a_size_below_one_is_refused_by_name(option, capsys):
+    with pytest.raises(SystemExit):
+        smc_compiled.main(["--device", "cpu", "--tiny", option, "0"])
+    assert f"{option} must be at least 1, got 0" in capsys.readouterr().err
