@@ -46,6 +46,29 @@ def test_a_compiled_run_of_more_steps_than_the_recompile_limit_is_one_graph(meth
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+def test_filters_of_several_particle_counts_compile_in_one_process():
+    """Each particle count compiles once (the resampler's fixed-point shift is a function of
+    N, so Dynamo specialises on it) and a count seen before reuses its graph."""
+    torch._dynamo.reset()
+
+    def run(start):
+        def init(B):
+            return start.clone()
+
+        def step(t, x):
+            x = 0.9 * x + torch.randn(x.shape)
+            return x, -0.5 * (x - 1.0) ** 2
+
+        smc = SMC(start.shape[1], ess_threshold=0.9, validate=False)
+        return smc.filter(init, step, 5, start.shape[0]).log_evidence
+
+    compiled = torch.compile(run, backend="aot_eager")
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for count in (16, 40, 16):
+        assert torch.isfinite(compiled(torch.randn(3, count))).all()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
+
+
 class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
     """Fails on every operator that reads a tensor's value on the host (.item(), bool(),
     .tolist() of a device tensor): on CUDA each is a synchronisation."""
