@@ -79,12 +79,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: the GPU check's)")
     parser.add_argument("--filters", type=int, default=None, help="filters per run (default: the GPU check's)")
     parser.add_argument("--particles", type=int, default=None, help="particles per filter (default: the GPU check's)")
-    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
+    parser.add_argument("--threads", type=int, default=None, help="torch's CPU threads (default: torch's own)")
     parser.add_argument("--tiny", action="store_true", help="the CPU dry run's sizes")
     parser.add_argument("--out", default="smc_compiled.jsonl")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     sizes = stages.TINY if args.tiny else stages.Sizes()
     for name, field in (("steps", "smc_steps"), ("filters", "smc_filters"), ("particles", "smc_particles")):
         value = getattr(args, name)
@@ -115,7 +118,7 @@ def main(argv=None) -> list[dict]:
         except Exception as error:  # a variant that fails is recorded; the others still run
             line = {"variant": name, "error": f"{type(error).__name__}: {error}"[:300]}
         line.update(device=str(device), backend=args.backend, filters=sizes.smc_filters,
-                    particles=sizes.smc_particles, steps=sizes.smc_steps)  # fmt: skip
+                    particles=sizes.smc_particles, steps=sizes.smc_steps, threads=torch.get_num_threads())  # fmt: skip
         stages.write_line(line, args.out)
         lines.append(line)
     return lines

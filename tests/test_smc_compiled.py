@@ -38,9 +38,10 @@ def test_the_dry_run_compiles_the_filter_to_one_graph_and_each_variant_estimates
         # 6 filters of 40 particles: the estimate's error is a few tenths at most
         assert abs(line["log_evidence_error_mean"]) < 5 * line["log_evidence_error_se"] + 0.5, line
     assert len(out.read_text().splitlines()) == 2
+    assert all(line["threads"] == torch.get_num_threads() for line in lines)  # left as the tests set it
 
 
-@pytest.mark.parametrize("option", ["--steps", "--filters", "--particles"])
+@pytest.mark.parametrize("option", ["--steps", "--filters", "--particles", "--threads"])
 def test_a_size_below_one_is_refused_by_name(option, capsys):
     with pytest.raises(SystemExit):
         smc_compiled.main(["--device", "cpu", "--tiny", option, "0"])
