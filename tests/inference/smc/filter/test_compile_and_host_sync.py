@@ -46,6 +46,33 @@ def test_a_compiled_run_of_more_steps_than_the_recompile_limit_is_one_graph(meth
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.slow  # inductor compiles the unrolled run, once per resampler
+@pytest.mark.parametrize("method", RESAMPLERS)
+def test_the_one_graph_run_under_inductor_equals_eager(method):
+    """The graph a run with torch's global generator compiles to (no break) gives eager's
+    answer exactly under inductor when inductor draws eager's random numbers."""
+    from torch._inductor import config
+
+    def run():
+        def init(B):
+            return torch.randn(B, 32)
+
+        def step(t, x):
+            x = 0.9 * x + torch.randn(x.shape)
+            return x, -0.5 * (x - 1.0) ** 2
+
+        result = SMC(32, resample=method, ess_threshold=0.9, validate=False).filter(init, step, 10, 3)
+        return result.log_evidence, result.particles, result.ancestors
+
+    torch._dynamo.reset()
+    with config.patch(fallback_random=True):
+        torch.manual_seed(3)
+        compiled = torch.compile(run)()
+    torch.manual_seed(3)
+    for got, expected in zip(compiled, run()):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_filters_of_several_particle_counts_compile_in_one_process():
     """Each particle count compiles once (the resampler's fixed-point shift is a function of
     N, so Dynamo specialises on it) and a count seen before reuses its graph."""
