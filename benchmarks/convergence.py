@@ -232,6 +232,11 @@ class Turn:
         print(f"{self.run.name}: epochs {epochs_done(self.run)} -> {self.until} (pid {self.process.pid})", flush=True)
 
     def at_epoch_checkpoint(self) -> bool:
+        """The turn's last epoch is checkpointed and validated: stopping it loses nothing. The
+        run's last epoch (MAX_EPOCHS) is never so: its validation is the final one, written
+        after its checkpoint, and the run ends by itself."""
+        if self.until >= MAX_EPOCHS:
+            return False
         pointer = self.run / "checkpoints" / "latest"
         if not pointer.is_file():
             return False

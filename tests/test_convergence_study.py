@@ -93,6 +93,19 @@ def busy_turn(run, code: str, turn_class=None):
     return turn
 
 
+@pytest.mark.parametrize("until", [1, convergence.MAX_EPOCHS - 1, convergence.MAX_EPOCHS])
+def test_a_turn_is_stopped_at_its_epoch_checkpoint_but_never_at_the_runs_last(tmp_path, until):
+    """The trainer writes the last step's checkpoint before its final validation: a turn
+    stopped there would lose that validation, and each turn after it would resume at the
+    checkpoint and be stopped again at once (a loop with no epoch ever added)."""
+    turn = busy_turn(tmp_path / "run", "while True: pass")
+    turn.until = until
+    (turn.run / "checkpoints").mkdir()
+    (turn.run / "checkpoints" / "latest").write_text(f"step-{until * turn.per_epoch:07d}\n")
+    assert turn.at_epoch_checkpoint() is (until < convergence.MAX_EPOCHS)
+    turn.stop()
+
+
 def test_a_turn_records_its_cpu_while_it_runs_and_exactly_when_stopped(tmp_path):
     import time
 
