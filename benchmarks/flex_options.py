@@ -11,7 +11,8 @@ stages are flex_attention's ``kernel_options``; this times the step (forward + b
 GPU check's sizes, ``gpu_check_stages.pt_engine``) under each named variant of them, added to
 the options the engine gives every call (the backend and the tf32x3 precision), and compares
 each variant's logits with the default's (the largest difference: a variant must not change
-the answer beyond float32 rounding). Compiled kernels are dropped between variants, so each
+the answer beyond float32 rounding; list ``default`` first to have it for every variant).
+Variants run in the order given. Compiled kernels are dropped between variants, so each
 variant compiles its own. One JSON line per (topology, variant) goes to ``--out``.
 
 The dry run uses the CPU's fused kernel (flex is compiled on CUDA only), so it checks the
@@ -98,7 +99,9 @@ def main(argv=None) -> list[dict]:
         parser.error(f"--n and --batch must be at least 1, got {args.n} and {args.batch}")
     device = torch.device(args.device)
     sizes = replace(stages.TINY if args.tiny else stages.Sizes(), batch=args.batch, lengths=(args.n,))
-    variants = ["default", *(v for v in args.variants if v != "default")]  # the reference first
+    # in the order given (a call that runs out of device time has timed the first ones); the
+    # logits compared are the default's, so a variant before it, or without it, has no difference
+    variants = list(dict.fromkeys(args.variants))
     lines = []
     for topology in args.topologies:
         reference = None
@@ -109,7 +112,7 @@ def main(argv=None) -> list[dict]:
                 seconds, logits, difference = measure(sizes, topology, args.n, device, reference)
                 line = {"topology": topology, "variant": name, "options": VARIANTS[name], "step_s": seconds,
                         "logit_difference": difference, "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
-                reference = logits if reference is None else reference
+                reference = logits if name == "default" else reference
             except Exception as error:  # a variant Triton refuses is recorded; the others still run
                 line = {"topology": topology, "variant": name, "error": f"{type(error).__name__}: {error}"[:300]}
             finally:
