@@ -30,7 +30,7 @@ def leader(pt: float, bert: float) -> str | None:
 def verdict(leader: str | None) -> str:
     """How a leader (None: a tie) stands to the paper's ranking, where the Transformer leads."""
     if leader is None:
-        return f"neither is ahead, where {PAPER}"
+        return f"neither is ahead; for comparison, {PAPER}"
     return f"this {'agrees with' if leader == 'BERT' else 'is the reverse of'} {PAPER}"
 
 
@@ -96,16 +96,14 @@ def final_against_the_paper(rows: list[dict], pt: str, bert: str = "bert-small")
     percent = 100 * (max(pt_mean, bert_mean) / min(pt_mean, bert_mean) - 1)
     spreads = [sd for sd in (pt_sd, bert_sd) if sd is not None]
     if spreads and abs(pt_mean - bert_mean) <= max(spreads):  # a gap this small agrees with no ranking
-        noise = (
-            f"; the gap is no larger than a seed's standard deviation ({ppl(max(spreads), decimals=2)}): "
-            f"too small to rank with {sum(r['config'] == pt for r in rows)} seeds"
+        return (
+            f"{pt}, final: neither is clearly ahead: {ahead}'s mean best perplexity is the lower, {behind}'s "
+            f"{percent:.1f}% higher ({figures}), a gap no larger than a seed's standard deviation "
+            f"({ppl(max(spreads), decimals=2)}): too small to rank with {sum(r['config'] == pt for r in rows)} "
+            f"seeds; for comparison, {PAPER}."
         )
-        stands = f"neither is clearly ahead, where {PAPER}"
-    else:
-        noise, stands = "", verdict(ahead)
-    return (
-        f"{pt}, final: {ahead} is ahead, {behind}'s best perplexity {percent:.1f}% higher ({figures}){noise}: {stands}."
-    )
+    ranked = f"{ahead} is ahead, {behind}'s best perplexity {percent:.1f}% higher ({figures})"
+    return f"{pt}, final: {ranked}: {verdict(ahead)}."
 
 
 def at_their_better_rates(rows: list[dict], models: dict[str, str]) -> str | None:

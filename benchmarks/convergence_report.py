@@ -264,7 +264,10 @@ def report(arms: list[Arm], rows: list[dict]) -> str:
         if done
         else "\nNot converged: every figure above is a curve so far, not a final result (no run has stopped)."
         if not any(r["finished"] for r in rows)
-        else "\nSome runs are still in progress: the comparison is partial."
+        else "\nSome runs are still in progress ("
+        + ", ".join(sorted({r["config"] for r in rows if not r["finished"]}))
+        + "): what compares with them is partial; an arm's final number above is final once every seed of it has "
+        "finished."
     )
     return "\n".join(lines)
 
