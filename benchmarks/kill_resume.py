@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WALL_CLOCK_KEYS = ("elapsed", "tokens_per_second")  # as probformer.training.run_log says
 
 sys.path.insert(0, str(ROOT))
-from tests.probformer.test_kill_resume import TINY as TEST_RUN  # noqa: E402  (one tiny run for both)
+from tests.probformer.training.test_resume import TINY as TEST_RUN  # noqa: E402  (one tiny run for both)
 
 # the test's tiny PT run, longer: more steps to land kills in, a validation mid-run
 TINY = TEST_RUN.replace("steps = 6", "steps = 24").replace("eval_every = 3", "eval_every = 12")
