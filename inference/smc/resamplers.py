@@ -134,16 +134,15 @@ class SystematicResampler:
         # every particle's (they do not decrease), and position i counts N or N - 1 particles,
         # both at least last_live (<= N - 1)
         positions = positions.clamp_max_(last_live)
-        if out is None:
-            return positions.long()
-        if torch.compiler.is_compiling():
-            # inductor's CPU code (torch 2.13) misreads the result of a copy into a view of a
-            # graph input later in the same graph (the filter's gather took other ancestors
-            # than it recorded): the caller gets a fresh tensor, ``out`` a copy of it
-            ancestors = positions.long()
+        if out is not None and not torch.compiler.is_compiling():
+            return out.copy_(positions)
+        # under compile the caller gets a fresh tensor and ``out`` a copy of it: inductor's CPU
+        # code (torch 2.13) misreads the result of a copy into a view of a graph input later in
+        # the same graph (the filter's gather took other ancestors than it recorded)
+        ancestors = positions.long()
+        if out is not None:
             out.copy_(ancestors)
-            return ancestors
-        return out.copy_(positions)
+        return ancestors
 
 
 def _value(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,17 @@ from tests.builders import lgssm
 from tests.inference.smc.filter.bootstrap import bootstrap
 
 
+def normal_init(num_particles: int):
+    return lambda B: torch.randn(B, num_particles)
+
+
+def ar1_step(t, x):
+    """The compile tests' model step, drawing from torch's global generator (a
+    ``torch.Generator`` argument would break Dynamo's graph at every draw)."""
+    x = 0.9 * x + torch.randn(x.shape)
+    return x, -0.5 * (x - 1.0) ** 2
+
+
 def test_compiled_filter_equals_eager_under_a_fixed_generator():
     ys, A, Q, H, R, m0, P0 = lgssm(1, seed=5, steps=6)
 
@@ -33,16 +44,8 @@ def test_a_compiled_run_of_more_steps_than_the_recompile_limit_is_one_graph(meth
     differ in the step number and fall back to eager past the limit)."""
     torch.manual_seed(0)
     steps = torch._dynamo.config.recompile_limit + 4
-
-    def init(B):
-        return torch.randn(B, 16)
-
-    def step(t, x):
-        x = 0.9 * x + torch.randn(x.shape)
-        return x, -0.5 * (x - 1.0) ** 2
-
     smc = SMC(16, resample=method, ess_threshold=0.9, validate=False)
-    explained = torch._dynamo.explain(lambda: smc.filter(init, step, steps, 3).log_evidence)()
+    explained = torch._dynamo.explain(lambda: smc.filter(normal_init(16), ar1_step, steps, 3).log_evidence)()
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
@@ -54,14 +57,7 @@ def test_the_one_graph_run_under_inductor_equals_eager(method):
     from torch._inductor import config
 
     def run():
-        def init(B):
-            return torch.randn(B, 32)
-
-        def step(t, x):
-            x = 0.9 * x + torch.randn(x.shape)
-            return x, -0.5 * (x - 1.0) ** 2
-
-        result = SMC(32, resample=method, ess_threshold=0.9, validate=False).filter(init, step, 10, 3)
+        result = SMC(32, resample=method, ess_threshold=0.9, validate=False).filter(normal_init(32), ar1_step, 10, 3)
         return result.log_evidence, result.particles, result.ancestors
 
     torch._dynamo.reset()
@@ -78,16 +74,9 @@ def test_filters_of_several_particle_counts_compile_in_one_process():
     N, so Dynamo specialises on it) and a count seen before reuses its graph."""
     torch._dynamo.reset()
 
-    def run(start):
-        def init(B):
-            return start.clone()
-
-        def step(t, x):
-            x = 0.9 * x + torch.randn(x.shape)
-            return x, -0.5 * (x - 1.0) ** 2
-
+    def run(start):  # the particle count comes from the input's shape
         smc = SMC(start.shape[1], ess_threshold=0.9, validate=False)
-        return smc.filter(init, step, 5, start.shape[0]).log_evidence
+        return smc.filter(lambda B: start.clone(), ar1_step, 5, start.shape[0]).log_evidence
 
     compiled = torch.compile(run, backend="aot_eager")
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
